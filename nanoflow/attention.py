@@ -1,0 +1,378 @@
+"""Paged attention: the only place where a request's KV cache is read or written.
+
+The engine hands every layer one flat batch of new tokens: first `num_decodes` sequences with one
+query token each, then prefill/extend chunks of any length on top of whatever prefix is already
+cached. Each sequence's KV lives in fixed-size blocks of the pool (kv.py) listed by its row of
+`block_tables`; `slot_mapping` says where each new token's K/V goes.
+
+Each operation has a plain-torch reference and, beside it, a Triton kernel. The references are the
+CPU path and the oracle that the kernels are tested against (on CPU through TRITON_INTERPRET=1).
+The kernels take the per-layer cache views [num_blocks, block_size, kv_heads, head_dim] through
+their strides: a view of the block-major pool is not contiguous, and copying it would defeat paging.
+"""
+
+from __future__ import annotations  # kernel annotations (tl.constexpr) stay strings when triton is absent
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:  # the torch path needs no triton; the Triton backend says so when it is asked for
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+LOG2E = math.log2(math.e)  # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
+EXTEND_BLOCK_M = 64  # query tokens per extend program
+EXTEND_BLOCK_N = 64  # keys per step of the extend loop
+DECODE_BLOCK_N = 64  # keys per step of the decode loop
+DECODE_MIN_SPLIT = 256  # tokens: a shorter split costs more to merge than its parallelism gains
+DECODE_TARGET_PROGRAMS = 512  # enough decode programs to fill a large GPU a few times over
+
+
+@dataclass
+class AttnMetadata:
+    """Where the new tokens of one step go and what each sequence attends to."""
+
+    slot_mapping: Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    block_tables: Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: Tensor  # [num_seqs] int32: KV length after this step (cached prefix + new tokens)
+    query_start_loc: Tensor  # [num_seqs + 1] int32: cu_seqlens of the new tokens
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    query_lens: list[int]  # host copies, for loops and grid sizes
+    seq_lens_list: list[int]
+
+
+def attention_backend(device: torch.device) -> str:
+    """Triton on CUDA, torch elsewhere; NANOFLOW_ATTN=triton|torch forces one."""
+    forced = os.environ.get("NANOFLOW_ATTN")
+    if forced not in (None, "", "triton", "torch"):
+        raise ValueError(f"NANOFLOW_ATTN must be 'triton' or 'torch', not {forced!r}")
+    return forced or ("triton" if device.type == "cuda" else "torch")
+
+
+def _use_triton(device: torch.device) -> bool:
+    if attention_backend(device) != "triton":
+        return False
+    if triton is None:
+        raise RuntimeError("the Triton attention backend needs triton: pip install triton, or set NANOFLOW_ATTN=torch")
+    return True
+
+
+def _jit(fn):
+    """triton.jit when triton is installed; without it the kernels are never launched."""
+    return triton.jit(fn) if triton else fn
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter multiplies bf16 wrongly (DESIGN 10b): the kernels then upcast tl.dot operands."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
+    """(block, slot, head) strides shared by the two cache views; head_dim must be the contiguous one."""
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K/V caches must be views of one pool"
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+# ---------------------------------------------------------------- store KV
+
+
+def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write new K/V [num_tokens, kv_heads, head_dim] into cache views [num_blocks, block_size, kv_heads, head_dim]."""
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
+@_jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_t, stride_h,
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program copies one new token's K and V (all KV heads) into its slot of the pool.
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)  # int64: block offsets can pass 2**31 elements in a big pool
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < KV_HEADS) & (d < HEAD_DIM)
+    src = token * stride_t + h * stride_h + d
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
+
+
+def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    num_tokens, kv_heads, head_dim = k.shape
+    assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share strides, head_dim contiguous"
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), *_cache_strides(k_cache, v_cache),
+        BLOCK_SIZE=k_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+# ---------------------------------------------------------------- attention: shared pieces
+
+
+def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor:
+    """[num_seqs, max_len, kv_heads, head_dim]: each sequence's first max_len cached tokens."""
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :max_len]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Grouped-query attention in fp32 without repeating K/V.
+
+    q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True = may attend) -> [b, n, heads, d].
+    """
+    b, n, heads, d = q.shape
+    kv_heads = k.shape[2]
+    qg = q.float().view(b, n, kv_heads, heads // kv_heads, d)
+    scores = torch.einsum("bnhgd,blhd->bhgnl", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    out = torch.einsum("bhgnl,blhd->bnhgd", scores.softmax(-1), v.float())
+    return out.reshape(b, n, heads, d).to(q.dtype)
+
+
+@_jit
+def _paged_offsets(table_ptr, pos, mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """[len(pos), len(d)] offsets into a cache view of one KV head's rows at token positions pos."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    return block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+
+
+@_jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32 (IEEE fp32 products for fp32 operands, not TF32)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@_jit
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+    """Fold one tile of keys/values [BLOCK_N, BLOCK_D] into each query row's running max, sum and output.
+
+    Every row must have an allowed key in its first tile, so that m_i is finite from then on.
+    """
+    s = tl.where(allowed, _dot(q, tl.trans(k), UPCAST) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+# ---------------------------------------------------------------- decode attention
+
+
+def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                         max_seq_len: int, scale: float) -> Tensor:
+    """One query token per sequence: q [num_seqs, heads, d] -> [num_seqs, heads, d]."""
+    k = _gather_context(k_cache, block_tables, max_seq_len)
+    v = _gather_context(v_cache, block_tables, max_seq_len)
+    mask = torch.arange(max_seq_len, device=q.device)[None, None] < seq_lens[:, None, None]
+    return _attend(q[:, None], k, v, mask, scale)[:, 0]
+
+
+@_jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+                         qk_scale, split_len, stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    # One program: the GROUP query heads that share KV head `kv_head`, of decode sequence `seq`, attending to
+    # the tokens [split * split_len, (split + 1) * split_len) of its context. Writes their normalized partial
+    # outputs and log2-sum-exp2 for the merge kernel. Rows past GROUP pad the group up to tl.dot's 16.
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_len
+    if start >= seq_len:
+        return  # the merge skips splits past the end
+    end = tl.minimum(start + split_len, seq_len)
+    g = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_range = pos < end
+        offsets = _paged_offsets(table_ptr, pos, in_range, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        kv_mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, in_range[None, :], m_i, l_i, acc, qk_scale, UPCAST)
+    part = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [seq, head, split]
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g < GROUP)
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=q_mask)
+
+
+@_jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_len, num_splits,
+                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program: one query head of one decode sequence, its splits' outputs weighted by exp2(lse - max lse).
+    seq, head = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    valid = s < tl.cdiv(tl.load(seq_lens_ptr + seq), split_len)
+    part = (seq * tl.num_programs(1) + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
+    """Tokens per split: split long contexts until the grid has DECODE_TARGET_PROGRAMS programs."""
+    num_splits = min(triton.cdiv(max_seq_len, DECODE_MIN_SPLIT), triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads))
+    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+
+
+def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                            max_seq_len: int, scale: float) -> Tensor:
+    """Flash-decoding: attend over splits of each context in parallel, then merge the splits."""
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    split_len = _decode_split_len(num_seqs, kv_heads, max_seq_len)
+    num_splits = triton.cdiv(max_seq_len, split_len)
+    part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E, split_len,
+        q.stride(0), q.stride(1), block_tables.stride(0), *_cache_strides(k_cache, v_cache),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
+        UPCAST=_interpreting())
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(num_seqs, heads)](
+        part_out, part_lse, seq_lens, out, split_len, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    return out
+
+
+# ---------------------------------------------------------------- prefill / extend attention
+
+
+def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int,
+                         scale: float) -> Tensor:
+    """Causal attention of one sequence's chunk q [n, heads, d], the last n of its seq_len tokens."""
+    n = q.shape[0]
+    k = _gather_context(k_cache, block_table[None], seq_len)
+    v = _gather_context(v_cache, block_table[None], seq_len)
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None] <= q_pos[:, None]
+    return _attend(q[None], k, v, mask[None], scale)[0]
+
+
+@_jit
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                   qk_scale, first_seq, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one sequence's chunk, one query
+    # head, attending causally to the sequence's cached prefix and the chunk (all in the cache, via its block table).
+    m_block, head, seq = tl.program_id(0), tl.program_id(1), first_seq + tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return  # this chunk is shorter than the longest one
+    seq_len = tl.load(seq_lens_ptr + seq)
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = seq_len - q_len + m  # position of each query token in its sequence
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    kv_head = head // GROUP
+    table_ptr = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)  # one past this block's last query
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_range = pos < end
+        offsets = _paged_offsets(table_ptr, pos, in_range, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        kv_mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        causal = pos[None, :] <= q_pos[:, None]  # implies pos < seq_len for real query rows
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, UPCAST)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                             out: Tensor) -> None:
+    """Every prefill/extend chunk of the batch (the sequences after the decodes) in one launch, into out."""
+    heads, head_dim = q.shape[1:]
+    nd = meta.num_decodes
+    grid = (triton.cdiv(max(meta.query_lens[nd:]), EXTEND_BLOCK_M), heads, len(meta.query_lens) - nd)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E, nd,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting())
+
+
+# ---------------------------------------------------------------- the whole batch
+
+
+def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
+    """The whole flat batch: decodes in one batched call, then each prefill chunk."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        max_len = max(meta.seq_lens_list[:nd])
+        out[:nd] = decode_attention_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                        max_len, scale)
+    start = nd
+    for i in range(nd, len(meta.query_lens)):
+        end = start + meta.query_lens[i]
+        out[start:end] = extend_attention_ref(q[start:end], k_cache, v_cache, meta.block_tables[i],
+                                              meta.seq_lens_list[i], scale)
+        start = end
+    return out
+
+
+def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
+    """The whole flat batch: one flash-decoding pass for the decodes, one extend launch for all chunks."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = decode_attention_triton(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                           max(meta.seq_lens_list[:nd]), scale)
+    if len(meta.query_lens) > nd:
+        _extend_attention_triton(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    if _use_triton(k.device):
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
+    if _use_triton(q.device):
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

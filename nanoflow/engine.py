@@ -1,0 +1,208 @@
+"""The engine step loop and the public Python API (`LLM`), in vLLM's shape.
+
+One `Engine.step()` is: schedule (sched.py picks requests and token counts), run (build the flat
+batch with kv.py, one model forward), sample (the last new token of each request that reached the
+end of its known tokens), postprocess (append, detokenize, check stop conditions, free finished
+requests' blocks). `LLM.generate` drives steps until every request is done; the server drives the
+same steps from its own thread.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .kv import KVPool, build_metadata, cdiv
+from .model import IncrementalDetokenizer, Tokenizer, Transformer, demo_checkpoint, load_model, sample
+from .sched import Request, SamplingParams, Scheduler
+
+CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
+CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
+GPU_KV_FRACTION = 0.85  # share of free device memory after the weights load; the rest is for activations
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class Engine:
+    """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, kv: KVPool, scheduler: Scheduler):
+        self.model, self.tokenizer, self.kv, self.scheduler = model, tokenizer, kv, scheduler
+        self.device = kv.kv_cache.device
+        self.kv_caches = kv.layer_caches()
+        self.max_model_len = model.config.max_position_embeddings
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError (and queues nothing) if it can never run."""
+        self.check_prompt(prompt_token_ids, params)
+        req = Request(list(prompt_token_ids), params, arrival_time=time.monotonic())
+        if request_id is not None:
+            req.request_id = request_id
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(req)
+        return req
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                             "tokens and generation needs at least one more")
+        need = cdiv(min(len(ids) + params.max_tokens, self.max_model_len), self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"the request needs {need} KV blocks (prompt {len(ids)} + max_tokens "
+                             f"{params.max_tokens} tokens) but the whole pool has {self.kv.num_blocks}; "
+                             "lower max_tokens or raise num_kv_blocks")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (a client went away); its blocks are freed at once."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One engine iteration; returns the requests that produced a token or finished."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        samplers = [(req, n) for req, n in out.scheduled if req.num_computed_tokens + n == req.num_tokens]
+        tokens = self.run(out.scheduled, samplers)
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+        for (req, _), token in zip(samplers, tokens):
+            self._append_token(req, token)
+        return [req for req, _ in samplers]
+
+    def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
+        """One forward over the flat batch; one sampled token per request in `samplers`."""
+        reqs = [req for req, _ in scheduled]
+        query_lens = [n for _, n in scheduled]
+        computed = [req.num_computed_tokens for req in reqs]
+        meta, positions = build_metadata([r.block_table for r in reqs], computed, query_lens,
+                                         sum(n == 1 for n in query_lens), self.kv.block_size, self.device)
+        input_ids = [t for r, c, n in zip(reqs, computed, query_lens) for t in r.token_ids[c:c + n]]
+        ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
+        logits_indices = [ends[req] - 1 for req, _ in samplers]
+        logits = self.model(torch.tensor(input_ids, device=self.device), positions, self.kv_caches, meta,
+                            torch.tensor(logits_indices, device=self.device))
+        return sample(logits, [r.params for r, _ in samplers], [r.generator for r, _ in samplers])
+
+    def _append_token(self, req: Request, token: int) -> None:
+        req.token_ids.append(token)
+        eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
+        done = eos or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        detokenizer = self.detokenizers[req.request_id]
+        before = len(req.output_text)
+        req.output_text += detokenizer.step(req.output_token_ids)
+        if done:  # a partial character held back so far belongs to the output now
+            req.output_text += detokenizer.flush(req.output_token_ids)
+        if self._cut_at_stop_string(req, before):
+            self._finish(req, "stop")
+        elif done:
+            self._finish(req, "stop" if eos else "length")
+
+    @staticmethod
+    def _cut_at_stop_string(req: Request, before: int) -> bool:
+        """Truncate output_text before the first stop string that the new text completed."""
+        hits = [i for s in req.params.stop if (i := req.output_text.find(s, max(0, before - len(s) + 1))) >= 0]
+        if hits:
+            req.output_text = req.output_text[:min(hits)]
+        return bool(hits)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        del self.requests[req.request_id], self.detokenizers[req.request_id]
+
+
+@dataclass
+class Output:
+    """What `LLM.generate` returns for each prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+class LLM:
+    """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
+
+    def __init__(self, ckpt: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, policy: str = "fcfs",
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048):
+        if policy != "fcfs":
+            raise ValueError(f"unknown policy {policy!r}; available: 'fcfs'")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, self.tokenizer = load_model(ckpt or demo_checkpoint(), device, _dtype(dtype))
+        cfg = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        block_bytes = KVPool.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+                                             cfg.head_dim, dtype)
+        num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes)
+        kv = KVPool(num_kv_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                    dtype, device)
+        self.engine = Engine(model, self.tokenizer, kv, Scheduler(kv, max_num_seqs, max_num_batched_tokens))
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
+        """Generate for every prompt (text or token ids), batched; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(ids, params)
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
+        """Like generate, for conversations ([{"role", "content"}, ...]) through the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([self.tokenizer.apply_chat_template(c) for c in conversations], params)
+
+    def _run(self, prompt_ids: list[list[int]], params) -> list[Output]:
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
+        if len(params) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(params)} SamplingParams")
+        for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+            try:
+                self.engine.check_prompt(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [Output(r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids, r.finish_reason)
+                for r in reqs]
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _blocks_that_fit(device: torch.device, block_bytes: int) -> int:
+    """Size the KV pool from the memory that is free now (after the weights are loaded)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * GPU_KV_FRACTION
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(available * CPU_KV_FRACTION, CPU_KV_MAX_BYTES)
+    return max(1, int(budget // block_bytes))

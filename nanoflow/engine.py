@@ -98,7 +98,7 @@ class Engine:
         ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
         logits_indices = [ends[req] - 1 for req, _ in samplers]
         logits = self.model(torch.tensor(input_ids, device=self.device), positions, self.kv_caches, meta,
-                            torch.tensor(logits_indices, device=self.device))
+                            torch.tensor(logits_indices, dtype=torch.long, device=self.device))
         return sample(logits, [r.params for r, _ in samplers], [r.generator for r, _ in samplers])
 
     def _append_token(self, req: Request, token: int) -> None:

@@ -192,7 +192,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         x = self.model.norm(x[logits_indices])
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, head).float()
+        # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny shape ~1.5x faster
+        return (head @ x.T).T.float()
 
 
 # ---------------------------------------------------------------- weights

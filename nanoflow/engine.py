@@ -9,6 +9,7 @@ same steps from its own thread.
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +17,13 @@ import torch
 
 from .kv import KVPool, build_metadata, cdiv
 from .model import IncrementalDetokenizer, Tokenizer, Transformer, demo_checkpoint, load_model, sample
-from .sched import Request, SamplingParams, Scheduler
+from .sched import Request, RequestStatus, SamplingParams, Scheduler
 
 CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
 GPU_KV_FRACTION = 0.85  # share of free device memory after the weights load; the rest is for activations
+DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min) when a client declares none
+READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamp, so that nobody buys priority with a huge declared rate
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -28,8 +31,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class Engine:
     """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, kv: KVPool, scheduler: Scheduler):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, kv: KVPool, scheduler: Scheduler,
+                 read_rate: float = DEFAULT_READ_RATE, clock: Callable[[], float] = time.monotonic):
         self.model, self.tokenizer, self.kv, self.scheduler = model, tokenizer, kv, scheduler
+        self.read_rate, self.clock = read_rate, clock
         self.device = kv.kv_cache.device
         self.kv_caches = kv.layer_caches()
         self.max_model_len = model.config.max_position_embeddings
@@ -40,7 +45,8 @@ class Engine:
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) if it can never run."""
         self.check_prompt(prompt_token_ids, params)
-        req = Request(list(prompt_token_ids), params, arrival_time=time.monotonic())
+        rate = min(max(params.read_rate or self.read_rate, READ_RATE_MIN), READ_RATE_MAX)
+        req = Request(list(prompt_token_ids), params, arrival_time=self.clock(), read_rate=rate)
         if request_id is not None:
             req.request_id = request_id
         if params.seed is not None:
@@ -74,6 +80,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> dict[str, int]:
+        """Counters since start and the state of the queues and pools now."""
+        s = self.scheduler
+        return {"preemptions": 0, "resumes_recompute": 0, **s.counters,
+                "running": len(s.running), "waiting": len(s.waiting),
+                "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
+                "device_blocks_free": self.kv.num_free, "device_blocks_total": self.kv.num_blocks}
+
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
         out = self.scheduler.schedule()
@@ -103,6 +117,7 @@ class Engine:
 
     def _append_token(self, req: Request, token: int) -> None:
         req.token_ids.append(token)
+        req.token_times.append(self.clock())
         eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
         done = eos or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
         detokenizer = self.detokenizers[req.request_id]
@@ -144,7 +159,8 @@ class LLM:
 
     def __init__(self, ckpt: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, policy: str = "fcfs",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048):
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 read_rate: float = DEFAULT_READ_RATE):
         if policy != "fcfs":
             raise ValueError(f"unknown policy {policy!r}; available: 'fcfs'")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -156,7 +172,10 @@ class LLM:
         num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes)
         kv = KVPool(num_kv_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
                     dtype, device)
-        self.engine = Engine(model, self.tokenizer, kv, Scheduler(kv, max_num_seqs, max_num_batched_tokens))
+        self.engine = Engine(model, self.tokenizer, kv, Scheduler(kv, max_num_seqs, max_num_batched_tokens), read_rate)
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:

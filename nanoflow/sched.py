@@ -11,12 +11,13 @@ freed and it goes back to the front of the queue to be prefilled again, prompt a
 import enum
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
 from .kv import KVPool
+from .metrics import Reader, RequestRecord
 
 
 @dataclass
@@ -30,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    read_rate: float | None = None  # tokens/s this request's reader reads; None = the engine's default
 
     def __post_init__(self):
         def check(ok: bool, name: str, rule: str):
@@ -48,6 +50,8 @@ class SamplingParams:
         check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "-1 (off) or an integer >= 1")
         check(self.seed is None or is_int(self.seed), "seed", "an integer or None")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
+        check(self.read_rate is None or (is_num(self.read_rate) and self.read_rate > 0), "read_rate",
+              "a number > 0 (tokens/s) or None")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         check(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops), "stop",
               "a non-empty string or a list of them")
@@ -57,6 +61,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its reader still reading what it has
     FINISHED = "finished"
 
 
@@ -79,9 +84,15 @@ class Request:
     output_text: str = ""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    read_rate: float = 8.0  # tokens/s, resolved by the engine (params.read_rate, clamped)
+    token_times: list[float] = field(default_factory=list)  # when each output token was generated
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        self.reader = Reader(self.read_rate)
+
+    def record(self) -> RequestRecord:
+        return RequestRecord(self.arrival_time, self.token_times, self.read_rate)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +132,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.counters: Counter[str] = Counter()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -159,6 +171,8 @@ class Scheduler:
             if not self.kv.grow(req.block_table, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
+            if req.status == RequestStatus.PREEMPTED:
+                self.counters["resumes_recompute"] += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req] = n
@@ -171,7 +185,8 @@ class Scheduler:
         self.kv.free(req.block_table)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
+        self.counters["preemptions"] += 1
+        req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:

@@ -4,9 +4,17 @@ Oracles: HuggingFace transformers for the model and tokenizer, the torch referen
 kernels, an uninterrupted run for anything that batches, chunks or preempts.
 """
 
+import http.client
 import json
 import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +27,7 @@ import pytest  # noqa: E402
 from nanoflow import LLM, SamplingParams, attention  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
 from nanoflow.model import IncrementalDetokenizer, demo_checkpoint  # noqa: E402
+from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
@@ -135,7 +144,7 @@ def test_small_pool_preempts_by_recompute_and_frees_everything(tiny):
     path, _ = tiny
     prompts = random_prompts(8, TINY["vocab_size"], seed=4, lengths=(20, 60))
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=128).generate(prompts, GREEDY)]
-    small = LLM(path, device="cpu", num_kv_blocks=12)  # 192 slots; the 8 requests need ~600
+    small = LLM(path, device="cpu", num_kv_blocks=12, policy="fcfs")  # 192 slots; the 8 requests need ~600
     reqs_seen = []
     real_step = small.engine.step
 
@@ -477,3 +486,439 @@ def test_triton_engine_matches_torch(tiny, monkeypatch):
         llm = LLM(path, device=DEVICE, num_kv_blocks=32, max_num_batched_tokens=24)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+# ---------------------------------------------------------------- swap: host KV pool, write-through, evict/load
+
+
+def check_pools(engine) -> None:
+    """Accounting never lies: free + used == total in both pools, and no block has two owners."""
+    s = engine.scheduler
+    reqs = s.running + list(s.waiting)
+    for pool, tables in [(engine.kv, [r.block_table for r in reqs]), (s.swapper.host, [r.host_block_table for r in reqs])]:
+        held = [b for t in tables for b in t] + [b for _, blocks in pool.pending_free for b in blocks]
+        assert len(held) == len(set(held)), "a block has two owners"
+        assert pool.num_free + len(held) == pool.num_blocks == pool.num_free + pool.num_used
+
+
+def run_checked(llm: LLM, prompts, params):
+    """generate(), checking the pools after every step and noting where requests were preempted.
+
+    Besides the scheduler's forced preemptions, each request is preempted once right after its
+    KV crossed into a new block."""
+    engine, points, crossed = llm.engine, [], set()
+    real_step, real_preempt = engine.step, engine.scheduler.preempt
+
+    def step():
+        for req in list(engine.scheduler.running):
+            if req.num_computed_tokens > 16 and req.num_computed_tokens % 16 == 1 and req not in crossed:
+                crossed.add(req)
+                engine.scheduler.preempt(req)
+        out = real_step()
+        check_pools(engine)
+        return out
+
+    def preempt(req):
+        points.append((req.num_computed_tokens, len(req.prompt_token_ids)))
+        real_preempt(req)
+
+    engine.step, engine.scheduler.preempt = step, preempt
+    outs = llm.generate(prompts, params)
+    engine.scheduler.swapper.complete_all()
+    assert engine.kv.num_free == engine.kv.num_blocks
+    assert engine.scheduler.swapper.host.num_free == engine.scheduler.swapper.host.num_blocks
+    return [o.token_ids for o in outs], points
+
+
+@pytest.mark.parametrize("resume", ["load", "recompute"])
+def test_forced_preemption_gives_identical_tokens(tiny, resume):
+    path, _ = tiny
+    prompts = random_prompts(6, TINY["vocab_size"], seed=10, lengths=(10, 70))
+    expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01)
+    llm.engine.scheduler.force_preempt_every, llm.engine.scheduler.force_resume = 3, resume
+    tokens, points = run_checked(llm, prompts, GREEDY)
+    assert tokens == expected
+    stats = llm.stats()
+    assert stats[f"resumes_{resume}"] >= 2 * len(prompts) and stats["preemptions"] == len(points)
+    assert stats[f"resumes_{'recompute' if resume == 'load' else 'load'}"] == 0
+    assert any(0 < done < prompt for done, prompt in points), "no preemption mid-prefill"
+    assert any(done > 16 and done % 16 in (0, 1) for done, _ in points), "none right after a block boundary"
+    if resume == "load":
+        assert stats["blocks_written_through"] > 0 and stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0
+
+
+def test_host_pool_too_small_falls_back_to_recompute(tiny):
+    path, _ = tiny
+    prompts = random_prompts(4, TINY["vocab_size"], seed=11, lengths=(30, 60))
+    expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
+    one_block = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 4
+    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=3 * one_block / (1 << 30))  # 3 host blocks
+    llm.engine.scheduler.force_preempt_every, llm.engine.scheduler.force_resume = 3, "load"
+    tokens, _ = run_checked(llm, prompts, GREEDY)
+    assert tokens == expected
+    assert llm.stats()["resumes_recompute"] > 0
+
+
+def test_abort_while_preempted_or_loading_frees_everything(tiny):
+    path, _ = tiny
+    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=0.01)
+    engine = llm.engine
+    reqs = [engine.add_request(p, GREEDY) for p in random_prompts(3, TINY["vocab_size"], seed=12, lengths=(40, 60))]
+    for _ in range(4):
+        engine.step()
+    engine.scheduler.force_resume = "load"
+    engine.scheduler.preempt(reqs[0])  # evicted: its KV sits in the host pool
+    assert reqs[0].host_block_table and not reqs[0].block_table
+    engine.abort(reqs[0].request_id)
+    engine.step()  # reqs[1] and reqs[2] go on; now preempt one and abort it right after its load
+    engine.scheduler.preempt(reqs[1])
+    engine.scheduler._admit({}, 64, engine.clock())
+    assert reqs[1].block_table and reqs[1].num_computed_tokens == reqs[1].num_host_tokens
+    engine.abort(reqs[1].request_id)
+    engine.abort(reqs[2].request_id)
+    engine.scheduler.swapper.complete_all()
+    check_pools(engine)
+    assert engine.kv.num_free == engine.kv.num_blocks and engine.scheduler.swapper.host.num_free == engine.scheduler.swapper.host.num_blocks
+    assert [r.finish_reason for r in reqs] == ["abort"] * 3
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
+    path, _ = tiny
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01)
+    swapper = llm.engine.scheduler.swapper
+    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for _, h in swapper.staging)
+    assert swapper.stream != torch.cuda.current_stream()
+    prompts = random_prompts(4, TINY["vocab_size"], seed=13, lengths=(20, 60))
+    expected = [o.token_ids for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)]
+    llm.engine.scheduler.force_preempt_every, llm.engine.scheduler.force_resume = 2, "load"
+    tokens, _ = run_checked(llm, prompts, GREEDY)
+    assert tokens == expected and llm.stats()["resumes_load"] > 0
+
+
+# ---------------------------------------------------------------- the HTTP server, over real sockets on 127.0.0.1
+# The server runs in-process on an ephemeral port; the engine is slowed or held where a test needs
+# tokens to take time (a sleep or a gate around `engine.step`). The only time bound asserted is the
+# issue's: a client that leaves is aborted, and its blocks freed, within a second.
+
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    write_checkpoint(path, "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=128), "127.0.0.1", 0, model="tiny").start()
+    yield srv
+    srv.shutdown()
+
+
+@pytest.fixture
+def gate(server, monkeypatch):
+    """Holds every engine step until the test sets it (and always at the end of the test)."""
+    event, step = threading.Event(), server.engine.step
+    monkeypatch.setattr(server.engine, "step", lambda: (event.wait(), step())[1])
+    yield event
+    event.set()
+
+
+def slow_steps(server, monkeypatch, delay: float) -> None:
+    step = server.engine.step
+    monkeypatch.setattr(server.engine, "step", lambda: (time.sleep(delay), step())[1])
+
+
+def connect(server) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+
+
+def call(server, method: str, path: str, body=None, headers: dict | None = None):
+    """(status, response, parsed JSON or text) of one request on a fresh connection."""
+    conn = connect(server)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, headers or {})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    is_json = resp.getheader("Content-Type", "").startswith("application/json")
+    return resp.status, resp, json.loads(raw) if is_json else raw.decode()
+
+
+def open_stream(server, path: str, body: dict) -> tuple[socket.socket, http.client.HTTPResponse]:
+    """The socket (the response takes it over from its connection) and the response, headers read."""
+    conn = connect(server)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    sock, resp = conn.sock, conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    return sock, resp
+
+
+def hang_up(sock: socket.socket, resp: http.client.HTTPResponse) -> None:
+    """Leave mid-stream, as a client that closes its tab."""
+    sock.shutdown(socket.SHUT_RDWR)
+    resp.close()
+    sock.close()
+
+
+def sse(resp):
+    """(arrival time, chunk) for each `data:` event as it arrives; the chunk of the last is "[DONE]"."""
+    while line := resp.readline():
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):].strip()
+            yield time.monotonic(), "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+
+def scrape(server) -> dict[str, float]:
+    status, _, text = call(server, "GET", "/metrics")
+    assert status == 200
+    return {k: float(v) for line in text.splitlines() if line and not line.startswith("#")
+            for k, v in [line.rsplit(" ", 1)]}
+
+
+def wait_for(predicate, timeout: float) -> float:
+    """Seconds until predicate() held; fails after timeout."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def all_free(server) -> bool:
+    m = scrape(server)
+    return (m["nanoflow_running"] == m["nanoflow_waiting"] == m["nanoflow_queued_requests"] == 0
+            and m["nanoflow_device_blocks_free"] == m["nanoflow_device_blocks_total"])
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def test_stream_arrives_token_by_token_and_matches_the_whole_answer(server, monkeypatch):
+    delay = 0.02
+    slow_steps(server, monkeypatch, delay)
+    body = dict(messages=HELLO, max_tokens=24, seed=3, temperature=1.0, ignore_eos=True,
+                stream_options={"include_usage": True})
+    _, resp = open_stream(server, CHAT, body)
+    events = list(sse(resp))
+    chunks = [c for _, c in events[:-1]]
+    assert events[-1][1] == "[DONE]"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish, usage = chunks[-2], chunks[-1]
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24
+    content = [(t, c["choices"][0]["delta"]["content"]) for t, c in events[1:-3]]
+    assert len(content) >= 6 and all(text for _, text in content)  # a token that ends mid-character waits
+    # each chunk leaves when its token is generated: the first long before the last (24 steps of >= 20 ms),
+    # and (scheduling jitter aside) a step's time apart
+    times = [t for t, _ in content]
+    assert times[-1] - times[0] > 10 * delay
+    assert sum(b - a > delay / 2 for a, b in zip(times, times[1:])) >= len(times) // 2
+
+    status, _, whole = call(server, "POST", CHAT, {k: v for k, v in body.items() if k != "stream_options"})
+    assert status == 200 and whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["content"] == "".join(text for _, text in content)
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"] == {"prompt_tokens": usage["usage"]["prompt_tokens"], "completion_tokens": 24,
+                              "total_tokens": usage["usage"]["total_tokens"]}
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    extra = {"read_rate": 20.0, "ignore_eos": True}
+    args = dict(model="tiny", max_tokens=12, seed=11, temperature=0.9, extra_body=extra)
+    chat = client.chat.completions.create(messages=HELLO, **args)
+    chunks = list(client.chat.completions.create(messages=HELLO, stream=True, stream_options={"include_usage": True},
+                                                 **args))
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 12
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+    done = client.completions.create(prompt="once upon a time", **args)
+    pieces = list(client.completions.create(prompt="once upon a time", stream=True, **args))
+    assert done.object == "text_completion" and done.usage.completion_tokens == 12
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == "length"
+    stop = done.choices[0].text[5:8]  # the text is random; a stop string cuts it before its first match
+    cut = client.completions.create(prompt="once upon a time", stop=stop, **args)
+    cut_pieces = list(client.completions.create(prompt="once upon a time", stop=[stop], stream=True, **args))
+    assert cut.choices[0].text == done.choices[0].text[:done.choices[0].text.find(stop)]
+    assert "".join(p.choices[0].text for p in cut_pieces) == cut.choices[0].text
+    assert cut.choices[0].finish_reason == cut_pieces[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="`n`"):
+        client.chat.completions.create(messages=HELLO, n=2, **args)
+
+
+def test_32_concurrent_streams(server):
+    def one(i: int) -> tuple[str, int, str]:
+        prompt = f"once upon a time {i}" if i % 2 else [5 + i, 17, 42 + i]  # text: tokenized on 16 threads at once
+        _, resp = open_stream(server, "/v1/completions", dict(prompt=prompt, max_tokens=16, seed=i, ignore_eos=True,
+                                                              stream_options={"include_usage": True}))
+        chunks = [c for _, c in sse(resp)]
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-2]]
+        return reasons[-1], chunks[-2]["usage"]["completion_tokens"], chunks[-1]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert results == [("length", 16, "[DONE]")] * 32
+    assert all_free(server)
+
+
+# ---------------------------------------------------------------- bad input, disconnects, overload, keys
+
+
+BAD = [  # (method, path, body, status, error code or None)
+    ("POST", CHAT, b"{not json", 400, None),
+    ("POST", CHAT, b"[1, 2]", 400, None),
+    ("POST", CHAT, b"[" * 100_000, 400, None),
+    ("POST", "/v1/completions", b'{"prompt": "\xff"}', 400, None),
+    ("POST", CHAT, {}, 400, None),
+    ("POST", CHAT, {"messages": "hi"}, 400, None),
+    ("POST", CHAT, {"messages": []}, 400, None),
+    ("POST", CHAT, {"messages": [{"role": "user"}]}, 400, None),
+    ("POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("POST", CHAT, {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ("POST", CHAT, {"messages": HELLO, "stream": "yes"}, 400, None),
+    ("POST", CHAT, {"messages": HELLO, "stream": True, "stream_options": 1}, 400, None),
+    ("POST", "/v1/completions", {}, 400, None),
+    ("POST", "/v1/completions", {"prompt": ""}, 400, None),
+    ("POST", "/v1/completions", {"prompt": []}, 400, None),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, None),
+    ("POST", "/v1/completions", {"prompt": [1, "a"]}, 400, None),
+    ("POST", "/v1/completions", {"prompt": [10 ** 6]}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "context_length_exceeded"),
+    ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "seed": 10 ** 30}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "stop": 5}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "read_rate": 0}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 3}, 400, "unsupported_parameter"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "unsupported_parameter"),
+    ("POST", "/v1/completions", b" " * (MAX_BODY_BYTES + 1), 413, None),
+    ("GET", "/nope", None, 404, "not_found"),
+    ("POST", "/v1/nope", {"prompt": "hi"}, 404, "not_found"),
+    ("GET", CHAT, None, 405, "method_not_allowed"),
+    ("DELETE", "/v1/models", None, 405, "method_not_allowed"),
+]
+
+
+def test_bad_input_gets_json_errors_and_the_server_carries_on(server):
+    for method, path, body, status, code in BAD:
+        got, resp, err = call(server, method, path, body, {"Content-Type": "application/json"})
+        assert got == status, (method, path, body[:40] if isinstance(body, bytes) else body, err)
+        assert set(err["error"]) == {"message", "type", "code"} and err["error"]["message"]
+        assert code is None or err["error"]["code"] == code, err
+    got, _, err = call(server, "POST", CHAT, b"{}", {"Content-Length": "abc"})
+    assert got == 400 and "Content-Length" in err["error"]["message"]
+    status, _, ok = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    assert status == 200 and ok["usage"]["completion_tokens"] <= 4
+    assert all_free(server)
+
+
+def test_disconnect_aborts_the_request_within_a_step(server, monkeypatch):
+    slow_steps(server, monkeypatch, 0.02)
+    aborted = scrape(server).get('nanoflow_requests_total{outcome="abort"}', 0)
+    sock, resp = open_stream(server, CHAT, dict(messages=HELLO, max_tokens=400, ignore_eos=True))
+    events = sse(resp)
+    for _ in range(4):
+        next(events)
+    assert scrape(server)["nanoflow_running"] == 1
+    hang_up(sock, resp)
+    wait_for(lambda: all_free(server), timeout=1.0)
+    assert scrape(server)['nanoflow_requests_total{outcome="abort"}'] == aborted + 1
+
+
+def test_client_leaving_while_queued_is_aborted(server, gate, monkeypatch):
+    asked, abort = [], server.loop.abort
+    monkeypatch.setattr(server.loop, "abort", lambda request_id: (asked.append(request_id), abort(request_id)))
+    before = scrape(server)
+    sock, resp = open_stream(server, CHAT, dict(messages=HELLO, max_tokens=400, ignore_eos=True))
+    _, role_chunk = next(sse(resp))  # the request is in the engine's hands, which are held
+    hang_up(sock, resp)
+    wait_for(lambda: role_chunk["id"] in asked, timeout=1.0)  # the connection noticed and asked for an abort
+    gate.set()
+    wait_for(lambda: all_free(server), timeout=1.0)
+    after = scrape(server)
+    aborted = 'nanoflow_requests_total{outcome="abort"}'
+    assert after[aborted] == before.get(aborted, 0) + 1
+    generated = 'nanoflow_tokens_total{kind="generation"}'
+    assert after[generated] - before[generated] <= 1  # at most the step that was already under way
+
+
+def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
+    monkeypatch.setattr(server.loop, "max_waiting", 2)
+    streams = [open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)]
+    status, resp, err = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+    assert status == 503 and resp.getheader("Retry-After") == "1" and err["error"]["code"] == "overloaded"
+    gate.set()
+    for _, resp in streams:  # read to the end: the server closes
+        assert [c for _, c in sse(resp)][-1] == "[DONE]"
+    assert call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})[0] == 200
+    assert all_free(server)
+
+
+def test_an_engine_failure_fails_its_requests_not_the_server(server, monkeypatch):
+    step = server.engine.step
+
+    def broken():
+        monkeypatch.setattr(server.engine, "step", step)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.engine, "step", broken)
+    status, _, err = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+    assert status == 500 and err["error"]["type"] == "server_error"
+    assert call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})[0] == 200
+    assert all_free(server)
+
+
+def test_api_key(server, monkeypatch):
+    monkeypatch.setattr(server, "api_key", "sekrit")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        status, _, err = call(server, "GET", "/v1/models", headers=headers)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    assert call(server, "POST", CHAT, {"messages": HELLO}, {})[0] == 401
+    assert call(server, "GET", "/v1/models", headers={"Authorization": "Bearer sekrit"})[0] == 200
+    assert call(server, "GET", "/health")[0] == 200  # probes need no key
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--ckpt", "--host", "--port", "--policy", "--device", "--dtype", "--num-kv-blocks", "--host-kv-gb",
+                 "--read-rate", "--api-key", "--max-waiting"):
+        assert flag in text
+
+
+def test_sigterm_ends_streams_and_exits_0(ckpt):
+    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port", "0",
+                             "--device", "cpu", "--num-kv-blocks", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    try:
+        line = proc.stdout.readline()
+        assert "serving tiny-llama" in line, proc.stderr.read()
+        host, port = line.split("http://")[1].split("/")[0].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(dict(prompt="hello", max_tokens=400, ignore_eos=True,
+                                                                stream=True)))
+        events = sse(conn.getresponse())
+        next(events)
+        proc.send_signal(signal.SIGTERM)
+        assert [c for _, c in events][-1] == "[DONE]"
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()

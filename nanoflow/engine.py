@@ -7,17 +7,18 @@ requests' blocks). `LLM.generate` drives steps until every request is done; the 
 same steps from its own thread.
 """
 
+import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .kv import KVPool, build_metadata, cdiv
-from .model import IncrementalDetokenizer, Tokenizer, Transformer, demo_checkpoint, load_model, sample
-from .sched import Request, RequestStatus, SamplingParams, Scheduler
+from .model import IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint, load_model, sample
+from .sched import POLICIES, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
+from .swap import Swapper
 
 CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
@@ -31,13 +32,13 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class Engine:
     """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, kv: KVPool, scheduler: Scheduler,
-                 read_rate: float = DEFAULT_READ_RATE, clock: Callable[[], float] = time.monotonic):
-        self.model, self.tokenizer, self.kv, self.scheduler = model, tokenizer, kv, scheduler
-        self.read_rate, self.clock = read_rate, clock
-        self.device = kv.kv_cache.device
-        self.kv_caches = kv.layer_caches()
-        self.max_model_len = model.config.max_position_embeddings
+    def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer, scheduler: Scheduler,
+                 read_rate: float = DEFAULT_READ_RATE):
+        self.model, self.config, self.tokenizer, self.scheduler = model, config, tokenizer, scheduler
+        self.kv, self.clock, self.read_rate = scheduler.kv, scheduler.clock, read_rate
+        self.device = self.kv.kv_cache.device if model else torch.device("cpu")
+        self.kv_caches = self.kv.layer_caches() if model else []
+        self.max_model_len = config.max_position_embeddings
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -57,7 +58,7 @@ class Engine:
         return req
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
+        vocab = self.config.vocab_size
         if not ids:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
@@ -82,14 +83,18 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counters since start and the state of the queues and pools now."""
-        s = self.scheduler
-        return {"preemptions": 0, "resumes_recompute": 0, **s.counters,
+        s, swapper = self.scheduler, self.scheduler.swapper
+        host = swapper.host if swapper else None
+        return {"preemptions": 0, "resumes_load": 0, "resumes_recompute": 0, "bytes_to_host": 0,
+                "bytes_to_device": 0, "blocks_written_through": 0, **s.counters, **(swapper.counters if swapper else {}),
                 "running": len(s.running), "waiting": len(s.waiting),
                 "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
-                "device_blocks_free": self.kv.num_free, "device_blocks_total": self.kv.num_blocks}
+                "device_blocks_free": self.kv.num_free, "device_blocks_total": self.kv.num_blocks,
+                "host_blocks_free": host.num_free if host else 0, "host_blocks_total": host.num_blocks if host else 0}
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
+        start = self.clock()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -99,11 +104,17 @@ class Engine:
             req.num_computed_tokens += n
         for (req, _), token in zip(samplers, tokens):
             self._append_token(req, token)
+        decodes = sum(n == 1 for _, n in out.scheduled)
+        self.scheduler.after_step(self.clock() - start, sum(n for _, n in out.scheduled) - decodes, len(samplers))
         return [req for req, _ in samplers]
 
     def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
         """One forward over the flat batch; one sampled token per request in `samplers`."""
         reqs = [req for req, _ in scheduled]
+        for req in reqs:  # the compute stream waits for the loads of exactly these requests
+            if req.load_event is not None:
+                torch.cuda.current_stream().wait_event(req.load_event)
+                req.load_event = None
         query_lens = [n for _, n in scheduled]
         computed = [req.num_computed_tokens for req in reqs]
         meta, positions = build_metadata([r.block_table for r in reqs], computed, query_lens,
@@ -158,21 +169,22 @@ class LLM:
     """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
 
     def __init__(self, ckpt: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, policy: str = "fcfs",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 read_rate: float = DEFAULT_READ_RATE):
-        if policy != "fcfs":
-            raise ValueError(f"unknown policy {policy!r}; available: 'fcfs'")
+                 block_size: int = 16, num_kv_blocks: int | None = None, policy: str = "tokenflow",
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
+                 read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None):
+        if policy not in POLICIES:  # before the model loads: a typo should fail fast
+            raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model, self.tokenizer = load_model(ckpt or demo_checkpoint(), device, _dtype(dtype))
-        cfg = model.config
-        dtype = model.model.embed_tokens.weight.dtype
-        block_bytes = KVPool.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
-                                             cfg.head_dim, dtype)
-        num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes)
-        kv = KVPool(num_kv_blocks, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                    dtype, device)
-        self.engine = Engine(model, self.tokenizer, kv, Scheduler(kv, max_num_seqs, max_num_batched_tokens), read_rate)
+        cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
+        shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        block_bytes = 2 * math.prod(shape) * dtype.itemsize
+        kv = KVPool(num_kv_blocks or _blocks_that_fit(device, block_bytes), *shape, dtype, device)
+        num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
+        swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
+            if num_host_blocks else None
+        scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper, tokenflow)
+        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

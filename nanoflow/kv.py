@@ -21,20 +21,27 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVPool:
-    """Device KV memory and its block allocator. Invariant: num_free + num_used == num_blocks."""
+    """KV memory and its block allocator. Invariant: num_free + num_used == num_blocks.
+
+    The device pool lives on the GPU; the host pool (swap.py) is the same class in CPU memory,
+    pinned when the device is CUDA. A block freed while a transfer may still read or write it waits
+    in `pending_free` until that transfer's event completes.
+    """
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, host: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        # zeros, not empty: padded block-table entries point at block 0 and must read as finite numbers
-        self.kv_cache = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=device)
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        if host:  # in CPU memory, pinned for DMA; every block is written before it is read
+            self.kv_cache = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        else:  # zeros: padded block-table entries point at block 0 and must read as finite numbers
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv_cache[0].numel() * self.kv_cache.element_size()
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
@@ -60,9 +67,20 @@ class KVPool:
         block_table.extend(self.free_blocks.popleft() for _ in range(need))
         return True
 
-    def free(self, block_table: list[int]) -> None:
-        self.free_blocks.extend(block_table)
+    def free(self, block_table: list[int], after: torch.cuda.Event | None = None) -> None:
+        """Give blocks back, at once or once the transfer that `after` marks has completed."""
+        if after is None:
+            self.free_blocks.extend(block_table)
+        elif block_table:
+            self.pending_free.append((after, list(block_table)))
         block_table.clear()
+
+    def release_pending(self) -> None:
+        """Blocks whose transfers have completed become free again."""
+        done = [(e, b) for e, b in self.pending_free if e.query()]
+        for item in done:
+            self.pending_free.remove(item)
+            self.free_blocks.extend(item[1])
 
 
 def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],

@@ -1,0 +1,202 @@
+"""Host KV memory and the copies that make preemption nearly free (TokenFlow's proactive KV management).
+
+A host pool in CPU memory (pinned on CUDA) has the same block layout as the device pool (kv.py).
+After every step, blocks that running requests have just filled are written through to it, so when
+the scheduler preempts a request (sched.py) only its unsynced tail has to be copied before its
+device blocks are free; resuming it is a load of its blocks back into fresh device blocks.
+
+On CUDA the copies run on a side stream: scattered device blocks are gathered into a contiguous
+device staging buffer, copied to pinned host memory in one DMA, then scattered into the host pool
+(loads run the other way). Two staging buffers alternate, so the host-side scatter of one chunk
+overlaps the DMA of the next. Events order everything: the side stream waits for the compute
+that wrote the blocks; the compute stream waits only for the loads of requests it is about to run;
+freed blocks return to their pool once the copies reading them are done. Nothing synchronizes the
+whole device. On CPU the same code runs and every copy completes at once.
+"""
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .kv import KVPool, cdiv
+
+STAGING_BYTES = 64 << 20  # per staging buffer: big DMAs run at full link speed; a chunk is what fits
+BANDWIDTH_GUESS = {"cuda": 20e9, "cpu": 5e9}  # bytes/s until the first copy is measured
+BANDWIDTH_EMA = 0.2  # weight of the newest measurement in the running estimate
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One chunk in flight: the event that marks its DMA done and the host-side work that follows."""
+
+    done: torch.cuda.Event | None
+    finish: Callable[[], None]
+
+
+class Swapper:
+    """Moves whole KV blocks between the device pool and the host pool, and keeps their books."""
+
+    def __init__(self, device: KVPool, host: KVPool):
+        self.device, self.host = device, host
+        self.block_bytes = device.bytes_per_block
+        self.on_cuda = device.kv_cache.is_cuda
+        self.stream = torch.cuda.Stream(device.kv_cache.device) if self.on_cuda else None
+        self.chunk_blocks = max(1, min(STAGING_BYTES // self.block_bytes, host.num_blocks))
+        shape, dtype = (self.chunk_blocks, *device.kv_cache.shape[1:]), device.kv_cache.dtype
+        self.staging = [(torch.empty(shape, dtype=dtype, device=device.kv_cache.device),
+                         torch.empty(shape, dtype=dtype, pin_memory=self.on_cuda)) for _ in range(2)]
+        self.last_use: list[Transfer | None] = [None, None]  # the transfer that last used each staging slot
+        self.slot = 0
+        self.in_flight: deque[Transfer] = deque()
+        self.queued_bytes = 0  # issued and not finished yet
+        self.bandwidth = BANDWIDTH_GUESS["cuda" if self.on_cuda else "cpu"]
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ what the scheduler calls
+
+    def write_through(self, reqs: list, max_blocks: int) -> None:
+        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host."""
+        bs = self.device.block_size
+        for req in reqs:
+            start, end = req.num_host_tokens // bs, min(req.num_computed_tokens // bs, len(req.block_table))
+            n = min(end - start, max_blocks)
+            if n <= 0:
+                continue
+            if not self.host.grow(req.host_block_table, (start + n) * bs):
+                return  # host pool full: eviction will copy (or recompute) instead
+            self._to_host(req.block_table[start:start + n], req.host_block_table[start:start + n])
+            req.num_host_tokens = (start + n) * bs
+            self.counters["blocks_written_through"] += n
+            max_blocks -= n
+            if max_blocks == 0:
+                return
+
+    def evict(self, req) -> bool:
+        """Free req's device blocks, copying only what is not on host yet; False if the host pool is full."""
+        bs = self.device.block_size
+        if not self.host.grow(req.host_block_table, req.num_computed_tokens):
+            return False
+        start, end = req.num_host_tokens // bs, cdiv(req.num_computed_tokens, bs)
+        self._to_host(req.block_table[start:end], req.host_block_table[start:end])
+        req.num_host_tokens = req.num_computed_tokens
+        self.device.free(req.block_table, after=self.pending_event())
+        return True
+
+    def load(self, req) -> bool:
+        """Copy req's KV back into fresh device blocks; False (nothing taken) if the device pool is short."""
+        if not self.device.grow(req.block_table, req.num_host_tokens):
+            return False
+        self.complete_all()  # its own eviction may still be on its way to host
+        n = cdiv(req.num_host_tokens, self.device.block_size)
+        req.load_event = self._to_device(req.host_block_table[:n], req.block_table[:n])
+        req.num_computed_tokens = req.num_host_tokens
+        return True
+
+    def forget(self, req) -> None:
+        """Drop req's host copy (it finished, was aborted, or will be recomputed)."""
+        self.host.free(req.host_block_table, after=self.pending_event())
+        req.num_host_tokens = 0
+
+    def release(self, req) -> None:
+        """Give back everything req holds in both pools."""
+        self.device.free(req.block_table, after=self.pending_event())
+        self.forget(req)
+
+    def load_time(self, req) -> float:
+        """Estimated seconds until req's blocks would be back: the queue ahead of it, then its own."""
+        return (self.queued_bytes + cdiv(req.num_host_tokens, self.device.block_size) * self.block_bytes) / self.bandwidth
+
+    def poll(self) -> None:
+        """Finish the transfers whose DMA is done; free the blocks they were holding."""
+        while self.in_flight and self.in_flight[0].done.query():
+            self.in_flight.popleft().finish()
+        self.device.release_pending()
+        self.host.release_pending()
+
+    def complete_all(self) -> None:
+        while self.in_flight:
+            self._finish_oldest()
+        self.device.release_pending()
+        self.host.release_pending()
+
+    def pending_event(self) -> torch.cuda.Event | None:
+        """The event after which every copy issued so far is done (None when nothing is in flight)."""
+        return self.in_flight[-1].done if self.in_flight else None
+
+    # ------------------------------------------------------------ chunked copies
+
+    def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
+        for lo in range(0, len(dev_ids), self.chunk_blocks):
+            dev_stage, host_stage = self._claim_slot()
+            n = min(len(dev_ids) - lo, self.chunk_blocks)
+            dst = torch.tensor(host_ids[lo:lo + n])
+
+            def gather_and_copy(src=dev_ids[lo:lo + n]):
+                src = torch.tensor(src, device=dev_stage.device)
+                torch.index_select(self.device.kv_cache, 0, src, out=dev_stage[:n])
+                host_stage[:n].copy_(dev_stage[:n], non_blocking=True)
+
+            def scatter(dst=dst, staged=host_stage[:n]):
+                self.host.kv_cache.index_copy_(0, dst, staged)
+
+            self._copy_chunk(n, gather_and_copy, scatter)
+            self.counters["bytes_to_host"] += n * self.block_bytes
+
+    def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> torch.cuda.Event | None:
+        for lo in range(0, len(host_ids), self.chunk_blocks):
+            dev_stage, host_stage = self._claim_slot()
+            n = min(len(host_ids) - lo, self.chunk_blocks)
+            torch.index_select(self.host.kv_cache, 0, torch.tensor(host_ids[lo:lo + n]), out=host_stage[:n])
+
+            def copy_and_scatter(dst=dev_ids[lo:lo + n]):
+                dst = torch.tensor(dst, device=dev_stage.device)
+                dev_stage[:n].copy_(host_stage[:n], non_blocking=True)
+                self.device.kv_cache.index_copy_(0, dst, dev_stage[:n])
+
+            self._copy_chunk(n, copy_and_scatter, lambda: None)
+            self.counters["bytes_to_device"] += n * self.block_bytes
+        return self.pending_event()
+
+    def _claim_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next staging pair, once the transfer that used it last has finished."""
+        self.slot ^= 1
+        while self.last_use[self.slot] in self.in_flight:
+            self._finish_oldest()
+        return self.staging[self.slot]
+
+    def _copy_chunk(self, num_blocks: int, device_work: Callable[[], None], finish: Callable[[], None]) -> None:
+        """Run one chunk's device-side copies on the side stream; `finish` runs on the host once they are done."""
+        nbytes = num_blocks * self.block_bytes
+        if not self.on_cuda:  # synchronous: everything is done on return
+            start = time.perf_counter()
+            device_work()
+            finish()
+            self._measured(nbytes, time.perf_counter() - start)
+            return
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(torch.cuda.current_stream())  # the blocks were written by the compute stream
+        with torch.cuda.stream(self.stream):
+            start.record()
+            device_work()
+            done.record()
+        self.queued_bytes += nbytes
+
+        def finish_and_measure():
+            finish()
+            self.queued_bytes -= nbytes
+            self._measured(nbytes, start.elapsed_time(done) / 1e3)
+
+        self.in_flight.append(Transfer(done, finish_and_measure))
+        self.last_use[self.slot] = self.in_flight[-1]
+
+    def _finish_oldest(self) -> None:
+        t = self.in_flight.popleft()
+        t.done.synchronize()
+        t.finish()
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.bandwidth += BANDWIDTH_EMA * (nbytes / seconds - self.bandwidth)

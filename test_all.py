@@ -140,11 +140,12 @@ def test_continuous_batching_matches_one_by_one(tiny):
     assert [o.token_ids for o in outs] == [e[:8 + i] for i, e in enumerate(expected)]
 
 
-def test_small_pool_preempts_by_recompute_and_frees_everything(tiny):
+@pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
+def test_small_pool_preempts_and_frees_everything(tiny, policy):
     path, _ = tiny
     prompts = random_prompts(8, TINY["vocab_size"], seed=4, lengths=(20, 60))
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=128).generate(prompts, GREEDY)]
-    small = LLM(path, device="cpu", num_kv_blocks=12, policy="fcfs")  # 192 slots; the 8 requests need ~600
+    small = LLM(path, device="cpu", num_kv_blocks=12, policy=policy)  # 192 slots; the 8 requests need ~600
     reqs_seen = []
     real_step = small.engine.step
 
@@ -535,7 +536,7 @@ def test_forced_preemption_gives_identical_tokens(tiny, resume):
     path, _ = tiny
     prompts = random_prompts(6, TINY["vocab_size"], seed=10, lengths=(10, 70))
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
-    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01)
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01, policy="fcfs")
     llm.engine.scheduler.force_preempt_every, llm.engine.scheduler.force_resume = 3, resume
     tokens, points = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
@@ -553,7 +554,7 @@ def test_host_pool_too_small_falls_back_to_recompute(tiny):
     prompts = random_prompts(4, TINY["vocab_size"], seed=11, lengths=(30, 60))
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
     one_block = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 4
-    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=3 * one_block / (1 << 30))  # 3 host blocks
+    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=3 * one_block / (1 << 30), policy="fcfs")  # 3 host blocks
     llm.engine.scheduler.force_preempt_every, llm.engine.scheduler.force_resume = 3, "load"
     tokens, _ = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
@@ -562,7 +563,7 @@ def test_host_pool_too_small_falls_back_to_recompute(tiny):
 
 def test_abort_while_preempted_or_loading_frees_everything(tiny):
     path, _ = tiny
-    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=0.01)
+    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=0.01, policy="fcfs")
     engine = llm.engine
     reqs = [engine.add_request(p, GREEDY) for p in random_prompts(3, TINY["vocab_size"], seed=12, lengths=(40, 60))]
     for _ in range(4):
@@ -587,7 +588,7 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
 @needs_cuda
 def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
     path, _ = tiny
-    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01)
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01, policy="fcfs")
     swapper = llm.engine.scheduler.swapper
     assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for _, h in swapper.staging)
     assert swapper.stream != torch.cuda.current_stream()
@@ -922,3 +923,105 @@ def test_sigterm_ends_streams_and_exits_0(ckpt):
         assert proc.wait(timeout=20) == 0
     finally:
         proc.kill()
+
+
+# ---------------------------------------------------------------- readers, metrics, the tokenflow policy, the simulator
+
+from nanoflow.metrics import (Reader, RequestRecord, effective_weights, qoe, read_times,  # noqa: E402
+                              rebuffer_time, summarize)
+from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
+
+
+def test_metrics_by_hand():
+    times = [1.0, 1.1, 1.2, 2.0]  # a request that arrived at 0; its reader reads 10 tokens/s
+    assert read_times(times, 10.0) == pytest.approx([1.0, 1.1, 1.2, 2.0])
+    assert rebuffer_time(times, 10.0) == pytest.approx(0.7)  # the 4th token was due at 1.3, came at 2.0
+    assert qoe(0.0, times, 10.0) == pytest.approx(1 - 0.4 / 5.3)  # late only the 4th: 2.0 vs ideal 1.3 + 0.3
+    reader = Reader(10.0)
+    assert reader.buffer(times[:3], 1.15) == 1 and reader.buffer(times, 2.5) == 0
+    # L = 20 tokens all generated at once, read at 1 token/s: token j finds j - 1 tokens unread
+    weights = effective_weights([0.001 * j for j in range(20)], 1.0, 20)
+    assert (weights[2], weights[4], weights[6]) == (1.0, pytest.approx(0.5), 0.0)  # buffer 5%, 15%, 25% of L
+    s = summarize([RequestRecord(0.0, times, 10.0), RequestRecord(0.5, [1.0, 1.1], 10.0)], makespan=2.0)
+    assert s["ttft_mean"] == pytest.approx(0.75) and s["throughput"] == pytest.approx(3.0)
+    assert s["rebuffer_mean"] == pytest.approx(0.35) and s["completed"] == s["requests"] == 2
+
+
+def drive(engine, arrivals: list[tuple[float, int, int, float]]) -> list:
+    """Run (arrival, prompt_len, output_len, read_rate) requests on a simulated engine to the end."""
+    pending, reqs = sorted(arrivals), []
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= engine.clock():
+            t, p, n, rate = pending.pop(0)
+            reqs.append(engine.add_request([1] * p, SamplingParams(max_tokens=n, ignore_eos=True, read_rate=rate),
+                                           arrival_time=t))
+        if engine.has_unfinished():
+            engine.step()
+        else:
+            engine.clock.advance_to(pending[0][0])
+    return reqs
+
+
+def test_motivating_example():
+    """TokenFlow's Figure: two slots, each running request decoding at 40 tok/s (so 80 tok/s in all);
+    R1 reads at 20 tok/s and R2 at 30 from t=0; R3 (25 tok/s) arrives at t=2."""
+    toy = CostModel("toy", SMOLLM2_135M, 1024, overhead_s=1 / 40, weights_read_s=0, per_kv_token_s=0,
+                    per_prefill_token_s=0, per_decode_seq_s=0, link_bytes_per_s=1e9, num_kv_blocks=64,
+                    num_host_blocks=1000, max_num_seqs=2)
+    arrivals = [(0.0, 16, 300, 20.0), (0.0, 16, 300, 30.0), (2.0, 16, 300, 25.0)]
+    runs = {policy: drive(build_engine(toy, policy), arrivals) for policy in ("fcfs", "tokenflow")}
+    ttft = {policy: reqs[2].token_times[0] - reqs[2].arrival_time for policy, reqs in runs.items()}
+    assert ttft["fcfs"] > 5.0  # R3 waits for R1 to finish its 300 tokens
+    assert ttft["tokenflow"] < 0.1 * ttft["fcfs"]
+    assert all(rebuffer_time(r.token_times, r.read_rate) == 0 for r in runs["tokenflow"])
+    assert all(len(r.token_times) == 300 for reqs in runs.values() for r in reqs)
+
+
+def burst(n: int, rate: float, seed: int = 0) -> list[tuple[float, int, int, float]]:
+    rng = random.Random(seed)
+    return [(0.0, rng.randint(50, 150), rng.randint(100, 200), rate) for _ in range(n)]
+
+
+def test_tokenflow_preempts_only_what_can_wait_and_never_swaps_back_and_forth():
+    engine = build_engine("cpu-smollm2", "tokenflow")
+    s, decisions, moves = engine.scheduler, [], {}
+    real_rebalance, real_preempt = s._rebalance, s.preempt
+
+    def rebalance(now):
+        s.deciding = True
+        out = real_rebalance(now)
+        s.deciding = False
+        return out
+
+    def preempt(req):
+        now = engine.clock()
+        if getattr(s, "deciding", False):  # the policy's own choice (not a pool that ran dry under growth)
+            decisions.append((req.time_to_stall(now), s.config.mu * s._switch_time(req)))
+        moves.setdefault(req, []).append(now)
+        real_preempt(req)
+
+    s._rebalance, s.preempt = rebalance, preempt
+    reqs = drive(engine, burst(40, rate=2.0))  # 80 tok/s of readers, ~120 tok/s of capacity
+    assert len(decisions) > 20 and all(stall >= needed for stall, needed in decisions)
+    for times in moves.values():  # consecutive preemptions of one request are an interval apart at least
+        assert all(b - a >= s.config.interval for a, b in zip(times, times[1:]))
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+    assert engine.stats()["resumes_load"] > 0 and engine.kv.num_free == engine.kv.num_blocks
+
+
+def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
+    within = {}
+    for policy in ("fcfs", "tokenflow"):
+        engine = build_engine("cpu-smollm2", policy)
+        within[policy] = summarize([r.record() for r in drive(engine, burst(40, 2.0))], engine.clock())
+    assert within["tokenflow"]["ttft_p99"] < 0.5 * within["fcfs"]["ttft_p99"]
+    assert within["tokenflow"]["rebuffer_mean"] < within["fcfs"]["rebuffer_mean"]
+    # readers at 20 tok/s x 40 = 800 tok/s of demand against ~120 of capacity: no newcomer is let in by
+    # preemption, so tokenflow preempts only when running requests outgrow the pool, as fcfs does
+    over = {}
+    for policy in ("fcfs", "tokenflow"):
+        engine = build_engine("cpu-smollm2", policy)
+        reqs = drive(engine, burst(40, 20.0))
+        assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+        over[policy] = engine.stats()["preemptions"]
+    assert over["tokenflow"] <= over["fcfs"]

@@ -23,6 +23,7 @@ from .swap import Swapper
 CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
 GPU_KV_FRACTION = 0.85  # share of free device memory after the weights load; the rest is for activations
+IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min) when a client declares none
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamp, so that nobody buys priority with a huge declared rate
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -42,12 +43,13 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) if it can never run."""
         self.check_prompt(prompt_token_ids, params)
         rate = min(max(params.read_rate or self.read_rate, READ_RATE_MIN), READ_RATE_MAX)
-        req = Request(list(prompt_token_ids), params, arrival_time=self.clock(), read_rate=rate)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        req = Request(list(prompt_token_ids), params, arrival_time=arrival, read_rate=rate)
         if request_id is not None:
             req.request_id = request_id
         if params.seed is not None:
@@ -97,6 +99,7 @@ class Engine:
         start = self.clock()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self.idle()
             return []
         samplers = [(req, n) for req, n in out.scheduled if req.num_computed_tokens + n == req.num_tokens]
         tokens = self.run(out.scheduled, samplers)
@@ -107,6 +110,11 @@ class Engine:
         decodes = sum(n == 1 for _, n in out.scheduled)
         self.scheduler.after_step(self.clock() - start, sum(n for _, n in out.scheduled) - decodes, len(samplers))
         return [req for req, _ in samplers]
+
+    def idle(self) -> None:
+        """Nothing could run (everyone waits for a transfer or an interval): don't spin a core."""
+        if self.has_unfinished():
+            time.sleep(IDLE_WAIT_S)
 
     def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
         """One forward over the flat batch; one sampled token per request in `samplers`."""

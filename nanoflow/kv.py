@@ -36,12 +36,9 @@ class KVPool:
             self.kv_cache = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
         else:  # zeros: padded block-table entries point at block 0 and must read as finite numbers
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.bytes_per_block = self.kv_cache[0].numel() * self.kv_cache.element_size()
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.kv_cache[0].numel() * self.kv_cache.element_size()
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""

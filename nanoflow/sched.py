@@ -232,9 +232,11 @@ class Scheduler:
         for req in self._admission_order(now):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if self.policy == "tokenflow" and now - req.last_moved < self.config.interval:
+                continue  # just preempted: it stays out for an interval, so that nobody swaps back and forth
             load = req.status == RequestStatus.PREEMPTED and req.num_host_tokens > 0 and self._resume_by_load(req)
             start = req.num_host_tokens if load else req.num_computed_tokens
-            if self.kv.blocks_needed(req.block_table, start + 1) > self.kv.num_free:
+            if self.kv.blocks_needed(req.block_table, start + 1) > self.kv.num_free - self._reserve(req):
                 return  # head-of-line: nobody overtakes the most urgent waiting request
             self._resume(req, load)
             room = (len(req.block_table) + self.kv.num_free) * self.kv.block_size - req.num_computed_tokens
@@ -245,6 +247,12 @@ class Scheduler:
             self.running.append(req)
             scheduled[req] = n
             budget -= n
+
+    def _reserve(self, req: Request) -> int:
+        """Blocks a newcomer must leave free under tokenflow, so that running requests can grow without preemption."""
+        if self.policy == "fcfs" or req.status != RequestStatus.WAITING:
+            return 0
+        return int(self.config.memory_reserve * self.kv.num_blocks)
 
     def _admission_order(self, now: float) -> list[Request]:
         if self.policy == "fcfs":

@@ -1,0 +1,225 @@
+"""The simulator: the real scheduler, KV accounting and metrics on a virtual clock.
+
+Only two things are modelled. A step's time comes from a cost model of what it computes (prefill
+tokens, decoding requests, KV tokens read); a transfer's time is its bytes over the host link,
+transfers queueing one behind the other. Everything else is the engine's own code: `Scheduler`
+(both policies), `KVPool` block accounting in both pools, `Swapper`'s write-through/evict/load
+bookkeeping, `Request` readers and `metrics`. So thousands of requests at H200 scale run in seconds
+on a laptop, and what the simulator says about a policy is what that policy does.
+"""
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import Engine, Request
+from .kv import KVPool, cdiv
+from .model import ModelConfig
+from .sched import SamplingParams, Scheduler, TokenFlowConfig
+from .swap import Swapper
+
+SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
+
+
+class VirtualClock:
+    """A clock that moves only when told: by a step's modelled time, or to the next arrival."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+@dataclass
+class CostModel:
+    """Step time = overhead + max(memory time, compute time); every number states where it comes from."""
+
+    name: str
+    model: ModelConfig
+    kv_bytes_per_token: int
+    overhead_s: float  # per step, whatever the batch: scheduling, launches, sampling
+    weights_read_s: float  # reading every weight once per step
+    per_kv_token_s: float  # reading one token's KV (all layers) in attention
+    per_prefill_token_s: float  # compute per prompt token
+    per_decode_seq_s: float  # compute per decoding request
+    link_bytes_per_s: float  # host <-> device copies
+    num_kv_blocks: int
+    num_host_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    notes: list[str] = field(default_factory=list)
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        memory = self.weights_read_s + kv_tokens * self.per_kv_token_s
+        compute = prefill_tokens * self.per_prefill_token_s + decode_seqs * self.per_decode_seq_s
+        return self.overhead_s + max(memory, compute)
+
+    def describe(self) -> str:
+        ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
+        lines = [f"preset {self.name}: step = {ms(self.overhead_s)} + max({ms(self.weights_read_s)} + "
+                 f"kv_tokens x {self.per_kv_token_s * 1e9:.3g} ns, prefill_tokens x {ms(self.per_prefill_token_s)} + "
+                 f"decodes x {ms(self.per_decode_seq_s)}); host link {self.link_bytes_per_s / 1e9:.3g} GB/s; "
+                 f"KV {self.num_kv_blocks} device + {self.num_host_blocks} host blocks of {self.block_size} tokens"]
+        return "\n".join(lines + [f"  - {n}" for n in self.notes])
+
+
+LLAMA3_8B = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
+SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
+def h200_llama3_8b() -> CostModel:
+    hbm, flops, link = 4.3e12, 790e12, 50e9
+    weights = 8.03e9 * 2  # Llama-3-8B parameters, bf16
+    kv_token = kv_bytes_per_token(LLAMA3_8B, 2)  # 128 KiB
+    kv_budget = 141e9 * 0.3 - weights - 2e9  # the paper's 0.3 memory fraction, less weights and ~2 GB activations
+    return CostModel(
+        "h200-llama3-8b", LLAMA3_8B, kv_token,
+        overhead_s=1.5e-3, weights_read_s=weights / hbm, per_kv_token_s=kv_token / hbm,
+        per_prefill_token_s=2 * 8.03e9 / flops, per_decode_seq_s=2 * 8.03e9 / flops, link_bytes_per_s=link,
+        num_kv_blocks=int(kv_budget // (16 * kv_token)), num_host_blocks=int(100e9 // (16 * kv_token)),
+        notes=["HBM 4.3 TB/s: the H200's measured device copy rate (KINDS.md); weights 16.06 GB read once per step",
+               "790 TFLOP/s: measured dense bf16 matmul rate; 2 x 8.03e9 FLOP per token",
+               "KV 128 KiB/token (32 layers x K,V x 8 heads x 128 x bf16), read once per step by attention",
+               "KV pool: 0.3 x 141 GB - weights - 2 GB activations (the paper's memory fraction)",
+               "host link 50 GB/s: PCIe Gen5 x16 with pinned memory (assumed, ~80% of 64 GB/s); host KV 100 GB",
+               "1.5 ms per step for scheduling, launches and sampling (assumed; no CUDA graphs)"])
+
+
+def cpu_smollm2() -> CostModel:
+    return CostModel(
+        "cpu-smollm2", SMOLLM2_135M, kv_bytes_per_token(SMOLLM2_135M, 4),
+        overhead_s=0.050, weights_read_s=0.0, per_kv_token_s=0.0,
+        per_prefill_token_s=1.7e-3, per_decode_seq_s=4.7e-3, link_bytes_per_s=5e9,
+        num_kv_blocks=256, num_host_blocks=4096,
+        notes=["fitted to the real engine, fp32 demo model, on the 2-core dev machine (AMD EPYC, 2026-11-29):",
+               "decode step 56 ms at 1 request, 126 ms at 16; a 2048-token prefill step 3.45 s",
+               "host link 5 GB/s: memcpy between two CPU buffers; `python bench.py --calibrate` refits"])
+
+
+PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2}
+
+
+class _NoText:
+    """Simulated tokens have no text."""
+
+    eos_token_ids: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+class SimSwapper(Swapper):
+    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are Swapper's."""
+
+    def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float):
+        self.device, self.host, self.clock = device, host, clock
+        self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
+        self.in_flight, self.queued_bytes, self.counters = deque(), 0, Counter()
+        self.link_free_at = 0.0
+
+    def _occupy(self, num_blocks: int) -> float:
+        """When a copy queued now would be done."""
+        self.link_free_at = max(self.link_free_at, self.clock()) + num_blocks * self.block_bytes / self.bandwidth
+        return self.link_free_at
+
+    def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
+        self._occupy(len(dev_ids))
+        self.counters["bytes_to_host"] += len(dev_ids) * self.block_bytes
+
+    def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> float:
+        self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
+        return self._occupy(len(host_ids))  # the step that runs this request waits for it
+
+    def load_time(self, req: Request) -> float:
+        backlog = max(0.0, self.link_free_at - self.clock())
+        return backlog + cdiv(req.num_host_tokens, self.device.block_size) * self.block_bytes / self.bandwidth
+
+
+class SimEngine(Engine):
+    """The engine with the forward replaced by the cost model."""
+
+    def __init__(self, cost: CostModel, scheduler: Scheduler, read_rate: float):
+        super().__init__(None, cost.model, _NoText(), scheduler, read_rate)
+        self.cost = cost
+
+    def idle(self) -> None:
+        self.clock.advance_to(self.clock() + self.cost.overhead_s)
+
+    def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
+        loads = [r.load_event for r, _ in scheduled if r.load_event is not None]
+        for r, _ in scheduled:
+            r.load_event = None
+        decodes = sum(n == 1 for _, n in scheduled)
+        prefill = sum(n for _, n in scheduled) - decodes
+        kv_tokens = sum(r.num_computed_tokens + n for r, n in scheduled)
+        self.clock.advance_to(max(loads, default=0.0))
+        self.clock.advance_to(self.clock() + self.cost.step_time(prefill, decodes, kv_tokens))
+        return [SIM_TOKEN] * len(samplers)
+
+
+def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) -> KVPool:
+    """Block accounting without the memory: a one-element-per-slot tensor, the modelled block size."""
+    pool = KVPool(num_blocks, 1, block_size, 1, 1, torch.float32, torch.device("cpu"), host=host)
+    pool.bytes_per_block = bytes_per_block
+    return pool
+
+
+def build_engine(preset: str | CostModel, policy: str, read_rate: float = 8.0, num_kv_blocks: int | None = None,
+                 tokenflow: TokenFlowConfig | None = None) -> SimEngine:
+    cost = PRESETS[preset]() if isinstance(preset, str) else preset
+    clock = VirtualClock()
+    block_bytes = cost.block_size * cost.kv_bytes_per_token
+    device = _pool(num_kv_blocks or cost.num_kv_blocks, cost.block_size, block_bytes, host=False)
+    swapper = SimSwapper(device, _pool(cost.num_host_blocks, cost.block_size, block_bytes, host=True), clock,
+                         cost.link_bytes_per_s) if cost.num_host_blocks else None
+    scheduler = Scheduler(device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow)
+    return SimEngine(cost, scheduler, read_rate)
+
+
+def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps: int = 8) -> CostModel:
+    """Fit the cpu-smollm2 form (overhead + prefill tokens + decoding requests) to the real engine's steps."""
+    engine, rows = llm.engine, []
+    vocab = engine.config.vocab_size
+
+    def timed_step() -> float:
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    for p in prompt_lens:
+        engine.add_request([(7 * i) % vocab for i in range(p)], params(1))
+        rows.append((p, 0, p, timed_step()))
+    for b in batches:
+        for i in range(b):
+            engine.add_request([(13 * i + j) % vocab for j in range(128)], params(decode_steps + 1))
+        timed_step()  # the prefill
+        for _ in range(decode_steps):
+            rows.append((0, b, b * 130, timed_step()))
+        while engine.has_unfinished():
+            engine.step()
+    x = torch.tensor([[1.0, p, d] for p, d, _, _ in rows], dtype=torch.float64)
+    y = torch.tensor([[t] for *_, t in rows], dtype=torch.float64)
+    overhead, per_prefill, per_decode = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
+    cost = cpu_smollm2()
+    cost.model, cost.kv_bytes_per_token = engine.config, engine.kv.bytes_per_block // engine.kv.block_size
+    cost.name, cost.overhead_s, cost.per_prefill_token_s, cost.per_decode_seq_s = \
+        "calibrated", overhead, per_prefill, per_decode
+    cost.notes = [f"least squares over {len(rows)} measured steps of this engine on this machine"]
+    return cost
+

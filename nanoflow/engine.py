@@ -97,18 +97,18 @@ class Engine:
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
         start = self.clock()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
             self.idle()
             return []
-        samplers = [(req, n) for req, n in out.scheduled if req.num_computed_tokens + n == req.num_tokens]
-        tokens = self.run(out.scheduled, samplers)
-        for req, n in out.scheduled:
+        samplers = [(req, n) for req, n in scheduled if req.num_computed_tokens + n == req.num_tokens]
+        tokens = self.run(scheduled, samplers)
+        for req, n in scheduled:
             req.num_computed_tokens += n
         for (req, _), token in zip(samplers, tokens):
             self._append_token(req, token)
-        decodes = sum(n == 1 for _, n in out.scheduled)
-        self.scheduler.after_step(self.clock() - start, sum(n for _, n in out.scheduled) - decodes, len(samplers))
+        decodes = sum(n == 1 for _, n in scheduled)
+        self.scheduler.after_step(self.clock() - start, sum(n for _, n in scheduled) - decodes, len(samplers))
         return [req for req, _ in samplers]
 
     def idle(self) -> None:

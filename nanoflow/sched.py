@@ -139,12 +139,6 @@ class Request:
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]]  # (request, number of new tokens this step), decodes first
-    preempted: list[Request]
-
-
-@dataclass
 class TokenFlowConfig:
     """TokenFlow's constants (DESIGN §6); each appears in --help of the server and the bench."""
 
@@ -197,14 +191,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's (request, number of new tokens), decodes first."""
         now = self.clock()
         self.num_steps += 1
         if self.swapper:
             self.swapper.poll()  # finished copies give their blocks back
-        moved = self._forced_preemption() + (self._rebalance(now) if self.policy == "tokenflow" else [])
+        self._forced_preemption()
+        if self.policy == "tokenflow":
+            self._rebalance(now)
         budget = self.max_num_batched_tokens
-        preempted: list[Request] = []  # for lack of memory: then nobody new starts this step
+        preempted = False  # for lack of memory: then nobody new starts this step
         scheduled: dict[Request, int] = {}
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0 or req not in self.running:  # out of budget, or preempted for an older one
@@ -214,7 +211,7 @@ class Scheduler:
                 victim = self._victim(now)
                 budget += scheduled.pop(victim, 0)
                 self.preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is req:
                     break
             else:
@@ -222,8 +219,7 @@ class Scheduler:
                 budget -= n
         if not preempted:
             self._admit(scheduled, budget, now)
-        order = sorted(scheduled.items(), key=lambda item: item[1] > 1)  # decodes first
-        return SchedulerOutput(order, moved + preempted)
+        return sorted(scheduled.items(), key=lambda item: item[1] > 1)
 
     # ------------------------------------------------------------ admission and resumption
 
@@ -250,7 +246,7 @@ class Scheduler:
 
     def _reserve(self, req: Request) -> int:
         """Blocks a newcomer must leave free under tokenflow, so that running requests can grow without preemption."""
-        if self.policy == "fcfs" or req.status != RequestStatus.WAITING:
+        if self.policy == "fcfs" or req.status != RequestStatus.WAITING or not self.running:
             return 0
         return int(self.config.memory_reserve * self.kv.num_blocks)
 
@@ -308,12 +304,9 @@ class Scheduler:
                 return max(can_wait, key=lambda r: r.time_to_stall(now))
         return self.running[-1]
 
-    def _forced_preemption(self) -> list[Request]:
-        if not (self.force_preempt_every and len(self.running) > 1 and self.num_steps % self.force_preempt_every == 0):
-            return []
-        victim = self.running[self.num_steps // self.force_preempt_every % len(self.running)]
-        self.preempt(victim)
-        return [victim]
+    def _forced_preemption(self) -> None:
+        if self.force_preempt_every and len(self.running) > 1 and self.num_steps % self.force_preempt_every == 0:
+            self.preempt(self.running[self.num_steps // self.force_preempt_every % len(self.running)])
 
     # ------------------------------------------------------------ tokenflow
 
@@ -338,11 +331,11 @@ class Scheduler:
         return (req.started and now - req.last_moved >= self.config.interval
                 and req.time_to_stall(now) >= self.config.mu * self._switch_time(req))
 
-    def _rebalance(self, now: float) -> list[Request]:
+    def _rebalance(self, now: float) -> None:
         """Every interval (or at once when a newcomer waits): preempt what the most urgent requests need."""
         newcomer = any(not r.started and r.status == RequestStatus.WAITING for r in self.waiting)
         if not self.waiting or (now - self.last_rebalance < self.config.interval and not newcomer):
-            return []
+            return
         self.last_rebalance = now
         members = [r for r in self.running + list(self.waiting) if r.started or r.status == RequestStatus.RUNNING]
         demand = sum(r.read_rate for r in members)
@@ -351,10 +344,8 @@ class Scheduler:
                 members.append(r)
                 demand += r.read_rate
         keep = self._greedy_fill(sorted(members, key=lambda r: self._urgency(r, now)))
-        out = [r for r in reversed(self.running) if r not in keep and self._preemptable(r, now)]
-        for r in out:
+        for r in [r for r in reversed(self.running) if r not in keep and self._preemptable(r, now)]:
             self.preempt(r)
-        return out
 
     def _greedy_fill(self, by_urgency: list[Request]) -> set[Request]:
         """The most urgent requests whose KV fits in device memory (less a reserve) and in the seats."""

@@ -47,6 +47,8 @@ class Engine:
                     arrival_time: float | None = None) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) if it can never run."""
         self.check_prompt(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         rate = min(max(params.read_rate or self.read_rate, READ_RATE_MIN), READ_RATE_MAX)
         arrival = self.clock() if arrival_time is None else arrival_time
         req = Request(list(prompt_token_ids), params, arrival_time=arrival, read_rate=rate)

@@ -376,8 +376,8 @@ class Scheduler:
     def after_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Learn from the step just run; write newly filled blocks through to host, largest buffers first."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
-        if not self._uses_host():
-            return
+        if not self._uses_host() or not (self.swapper.async_copies or self.waiting):
+            return  # synchronous copies (CPU) steal compute: write through only when a preemption may come
         now = self.clock()
         by_buffer = sorted(self.running, key=lambda r: -r.time_to_stall(now))
         max_blocks = int(self.rates.step_time * self.swapper.bandwidth / self.kv.bytes_per_block)

@@ -129,6 +129,7 @@ class SimSwapper(Swapper):
         self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
         self.in_flight, self.queued_bytes, self.counters = deque(), 0, Counter()
         self.link_free_at = 0.0
+        self.async_copies = True  # the modelled link runs beside compute, as on a GPU
 
     def _occupy(self, num_blocks: int) -> float:
         """When a copy queued now would be done."""

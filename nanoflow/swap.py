@@ -42,7 +42,7 @@ class Swapper:
     def __init__(self, device: KVPool, host: KVPool):
         self.device, self.host = device, host
         self.block_bytes = device.bytes_per_block
-        self.on_cuda = device.kv_cache.is_cuda
+        self.on_cuda = self.async_copies = device.kv_cache.is_cuda
         self.stream = torch.cuda.Stream(device.kv_cache.device) if self.on_cuda else None
         self.chunk_blocks = max(1, min(STAGING_BYTES // self.block_bytes, host.num_blocks))
         shape, dtype = (self.chunk_blocks, *device.kv_cache.shape[1:]), device.kv_cache.dtype

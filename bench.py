@@ -1,21 +1,591 @@
-"""Benchmarks for nanoflow.
+"""nanoflow's benchmark: the same workload under each scheduling policy, side by side.
 
-`python bench.py --vs-transformers`: offline generation speed of `LLM.generate` beside HuggingFace
-transformers' `generate` on the same checkpoint, same prompts, same greedy decoding, in one process.
+`python bench.py --burst 64` builds one workload from a seed (arrival times, prompt and output
+lengths, each request's reading rate), runs it on the real engine in this process once per policy,
+and prints TTFT, stalls, QoE and throughput of each (DESIGN §5). The same driver runs a simulated
+engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload through a
+running server and times tokens at the client. `--kernels` and `--transfers` time the GPU parts;
+`--vs-transformers` compares offline generation with HuggingFace transformers.
 """
 
 import argparse
+import csv
+import dataclasses
+import functools
+import http.client
+import importlib.util
+import json
+import math
+import os
+import platform
 import random
+import statistics
+import sys
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlsplit
 
 import torch
 
 from nanoflow import LLM, SamplingParams
+from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN
+from nanoflow.kv import KVPool, build_metadata, cdiv
+from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
+from nanoflow.model import Transformer, rope_inv_freq
+from nanoflow.sched import POLICIES, TokenFlowConfig
+from nanoflow.swap import Swapper
+
+TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: Efficient Generative "
+                "LLM Inference Using Phase Splitting\", ISCA 2024")
+PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60% at 20
+DEMAND_SHARE = 0.7  # auto rates: the readers' peak total demand takes this share of the measured capacity
+SPEED_SHARE = 0.5  # auto rates: the fastest reader reads at most half as fast as a running request decodes
+DEFAULT_KV_FRAC = 0.3  # the device KV pool holds this share of what the whole burst needs at full length
+BLOCK_SIZE = 16
+PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode speed
+PROMPT_VOCAB = 256  # prompt token ids are drawn below this: valid for every model, and content does not matter
+HTTP_TIMEOUT_S = 600.0
+METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99", "qoe_mean",
+               "qoe_good_share", "effective_throughput", "throughput", "makespan", "preemptions", "requests",
+               "completed")
+COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device")
+
+
+# ---------------------------------------------------------------- the workload
+
+
+@dataclass
+class Workload:
+    """Every request of a run, sorted by arrival: built once from the seed, shared by all policies."""
+
+    arrival: list[float]  # s after the start of the run
+    prompt_len: list[int]
+    output_len: list[int]
+    rate: list[float]  # tokens/s of each request's reader
+    seed: int
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    def prompt_ids(self, i: int) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        return [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i])]
+
+    def params(self, i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=self.output_len[i], temperature=0, ignore_eos=True, read_rate=self.rate[i])
+
+    def clamped(self, context: int) -> "Workload":
+        """Prompts and outputs cut to fit a context (a prompt keeps at least one token of room)."""
+        prompts = [min(p, context - 1) for p in self.prompt_len]
+        outputs = [max(1, min(o, context - p)) for p, o in zip(prompts, self.output_len)]
+        cut = sum(p + o > context for p, o in zip(self.prompt_len, self.output_len))
+        source = self.source + (f"; {cut} cut to {context} tokens" if cut else "")
+        return dataclasses.replace(self, prompt_len=prompts, output_len=outputs, source=source)
+
+    def scaled_rates(self, factor: float) -> "Workload":
+        return dataclasses.replace(self, rate=[clamp_rate(r * factor) for r in self.rate])
+
+
+def clamp_rate(r: float) -> float:
+    return min(max(r, READ_RATE_MIN), READ_RATE_MAX)  # the engine clamps too: the metrics must use what it uses
+
+
+def parse_dist(text: str) -> tuple[float, float]:
+    """'MEAN' or 'MEAN:SPREAD' (a normal distribution; spread defaults to a quarter of the mean)."""
+    mean, _, spread = text.partition(":")
+    return float(mean), float(spread) if spread else float(mean) / 4
+
+
+def parse_mix(text: str) -> list[tuple[float, float]]:
+    """'20' or '15:0.4,20:0.6' -> [(rate, share), ...]."""
+    pairs = [item.partition(":") for item in text.split(",")]
+    return [(float(r), float(s) if s else 1.0) for r, _, s in pairs]
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+    if args.trace:
+        with open(args.trace) as f:
+            rows = [(float(r["arrival_s"]) * args.time_scale, int(r["prompt_tokens"]), int(r["output_tokens"]))
+                    for r in csv.DictReader(f)]
+        rows.sort()
+        arrival, prompts, outputs = [list(col) for col in zip(*rows)]
+        source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale}, lengths from the trace)"
+    else:
+        if args.burst:
+            arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
+        else:
+            arrival, t = [], rng.expovariate(args.poisson)
+            while t < args.duration:
+                arrival.append(t)
+                t += rng.expovariate(args.poisson)
+            source = f"poisson {args.poisson}/s for {args.duration} s ({len(arrival)} requests)"
+        draw = lambda mean, spread: max(1, round(rng.gauss(mean, spread)))  # noqa: E731
+        prompts = [draw(*parse_dist(args.prompt_len)) for _ in arrival]
+        outputs = [draw(*parse_dist(args.output_len)) for _ in arrival]
+        source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
+    mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
+    rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
+    return Workload(arrival, prompts, outputs, [clamp_rate(r) for r in rates], args.seed, source)
+
+
+# ---------------------------------------------------------------- readers: `--read-rate auto`
+
+
+def peak_readers(w: Workload, mean_rate: float) -> int:
+    """Most requests reading at once, if each is read from its arrival at mean_rate."""
+    events = sorted([(a, 1) for a in w.arrival] + [(a + n / mean_rate, -1) for a, n in zip(w.arrival, w.output_len)])
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, str]:
+    """Scale the paper's mix so that readers are slower than decoding and their demand fits capacity."""
+    mean = sum(w.rate) / len(w)
+    by_speed = SPEED_SHARE * speed * mean / max(w.rate)
+    target = by_speed
+    for _ in range(5):  # the peak number of readers depends on how long each takes to read
+        peak = peak_readers(w, target)
+        target = min(by_speed, DEMAND_SHARE * capacity / peak)
+    scaled = w.scaled_rates(target / mean)
+    why = (f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} tok/s; up to {peak} "
+           f"read at once; so the paper's mix {PAPER_MIX} is scaled by {target / mean:.3g} to a mean of "
+           f"{sum(scaled.rate) / len(w):.2f} tok/s: the fastest reader reads {max(scaled.rate) / speed:.0%} of decode "
+           f"speed, peak demand is {peak * target / capacity:.0%} of capacity")
+    return scaled, why
+
+
+def probe_workload(w: Workload, num_blocks: int, step_tokens: int) -> Workload:
+    """As many requests as KV memory holds at once during the run, each with the run's mean context
+    while decoding (the prompt and half the output) as its prompt, long enough to decode PROBE_TOKENS
+    steps together after the last prefill."""
+    prompt, output = statistics.mean(w.prompt_len), statistics.mean(w.output_len)
+    n = max(1, min(len(w), num_blocks // cdiv(round(prompt + output), BLOCK_SIZE)))
+    prompt = round(prompt + output / 2)
+    tokens = PROBE_TOKENS + cdiv(n * prompt, step_tokens)
+    prompt = max(1, min(prompt, num_blocks // n * BLOCK_SIZE - tokens))
+    return Workload([0.0] * n, [prompt] * n, [tokens] * n, [READ_RATE_MAX] * n, w.seed + 1, "probe")
+
+
+def decode_rates(records: list) -> tuple[float, float]:
+    """(tokens/s of one request, of the engine) while every request of the probe decodes."""
+    lo, hi = max(r.token_times[0] for r in records), min(r.token_times[-1] for r in records)
+    tokens = sum(lo < t <= hi for r in records for t in r.token_times)
+    return tokens / len(records) / (hi - lo), tokens / (hi - lo)
+
+
+# ---------------------------------------------------------------- drivers
+
+
+@dataclass
+class Run:
+    """One policy's pass over the workload."""
+
+    name: str
+    records: list
+    start: float  # when the first request arrived, on the run's clock
+    makespan: float
+    counters: dict = field(default_factory=dict)
+    wall: float = 0.0
+
+    @functools.cached_property
+    def summary(self) -> dict:
+        return {**summarize(self.records, self.makespan), **self.counters, "wall_s": self.wall}
+
+
+class Progress:
+    """One line on stderr, rewritten at most a few times a second."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.last, self.begin = label, total, 0.0, time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= 0.25
+
+    def show(self, done: int, tokens: int, final: bool = False) -> None:
+        self.last = time.monotonic()
+        bar = "#" * (20 * done // max(1, self.total))
+        print(f"\r{self.label:>10} [{bar:<20}] {done}/{self.total} done, {tokens} tokens, "
+              f"{self.last - self.begin:.0f} s", end="\n" if final else "", file=sys.stderr, flush=True)
+
+
+def wait_until(engine, t: float) -> None:
+    """Idle until t: jump a virtual clock, sleep on a real one."""
+    if hasattr(engine.clock, "advance_to"):
+        engine.clock.advance_to(t)
+    else:
+        time.sleep(max(0.0, t - engine.clock()))
+
+
+def step(engine) -> None:
+    """One engine step; a simulated engine with nothing to do lets a step's overhead pass instead."""
+    before = engine.clock()
+    engine.step()
+    if engine.clock() == before and hasattr(engine, "idle"):
+        engine.idle()
+
+
+def drive(engine, w: Workload, label: str) -> Run:
+    """Add requests whose arrival time has come, step, and when idle wait for the next arrival."""
+    wall, before = time.monotonic(), engine.stats()
+    start, reqs, bar = engine.clock(), [], Progress(label, len(w))
+    while len(reqs) < len(w) or engine.has_unfinished():
+        while len(reqs) < len(w) and start + w.arrival[len(reqs)] <= engine.clock():
+            i = len(reqs)
+            reqs.append(engine.add_request(w.prompt_ids(i), w.params(i), arrival_time=start + w.arrival[i]))
+        if engine.has_unfinished():
+            step(engine)
+        elif len(reqs) < len(w):
+            wait_until(engine, start + w.arrival[len(reqs)])
+        if bar.due():
+            bar.show(sum(r.is_finished for r in reqs), sum(r.num_output_tokens for r in reqs))
+    bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
+    records = [r.record() for r in reqs]
+    counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
+    return finish_run(label, records, start + w.arrival[0], counters, wall)
+
+
+def finish_run(label: str, records: list, start: float, counters: dict, wall: float) -> Run:
+    end = max((r.token_times[-1] for r in records if r.token_times), default=start)
+    return Run(label, records, start, end - start, counters, time.monotonic() - wall)
+
+
+def http_call(url: str, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+    """A request to the server at url (with or without /v1); the response, headers read."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=HTTP_TIMEOUT_S)
+    conn.request(method, parts.path.rstrip("/").removesuffix("/v1") + path, body and json.dumps(body),
+                 {"Content-Type": "application/json"})
+    return conn.getresponse()
+
+
+def http_stream(url: str, w: Workload, i: int, start: float, out: list) -> None:
+    """One request as an OpenAI streaming completion; out[i] gets the client-side time of each token."""
+    time.sleep(max(0.0, start + w.arrival[i] - time.monotonic()))
+    times, tokens = [], 0
+    try:
+        resp = http_call(url, "POST", "/v1/completions", {
+            "prompt": w.prompt_ids(i), "max_tokens": w.output_len[i], "temperature": 0, "ignore_eos": True,
+            "read_rate": w.rate[i], "stream": True, "stream_options": {"include_usage": True}})
+        if resp.status != 200:
+            print(f"request {i}: HTTP {resp.status}: {resp.read().decode(errors='replace')}", file=sys.stderr)
+        for line in resp if resp.status == 200 else []:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                if any(c.get("text") for c in chunk["choices"]):
+                    times.append(time.monotonic())
+    except OSError as e:
+        print(f"request {i}: {e}", file=sys.stderr)
+    # a chunk that carries several tokens (a character split across tokens) counts them at the end
+    out[i] = times + times[-1:] * (tokens - len(times))
+
+
+def scrape_counters(url: str) -> dict[str, float]:
+    text = http_call(url, "GET", "/metrics").read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {k: float(values.get(f"nanoflow_{k}_total", 0)) for k in COUNTERS}
+
+
+def drive_http(url: str, w: Workload) -> Run:
+    """The workload through a running server: one thread per request, timed at the client."""
+    try:
+        wall, before = time.monotonic(), scrape_counters(url)
+    except OSError as e:
+        raise SystemExit(f"cannot reach a server at {url} ({e}); start one with python -m nanoflow.serve") from None
+    start, times = time.monotonic() + 0.1, [None] * len(w)
+    threads = [threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True) for i in range(len(w))]
+    for t in threads:
+        t.start()
+    bar = Progress("http", len(w))
+    while any(t.is_alive() for t in threads):
+        bar.show(sum(x is not None for x in times), sum(len(x) for x in times if x))
+        time.sleep(0.1)
+    bar.show(len(w), sum(len(x) for x in times), final=True)
+    records = [RequestRecord(start + a, x or [], r) for a, x, r in zip(w.arrival, times, w.rate)]
+    counters = {k: int(v - before[k]) for k, v in scrape_counters(url).items()}
+    return finish_run("http", records, start + w.arrival[0], counters, wall)
+
+
+# ---------------------------------------------------------------- where it runs
+
+
+def kv_blocks(w: Workload, frac: float) -> int:
+    """A device pool that holds `frac` of the workload at full length, and the largest request."""
+    need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
+    return max(max(need), math.ceil(frac * sum(need)))
+
+
+def engine_factory(args: argparse.Namespace, w: Workload):
+    """policy -> a fresh engine (real or simulated), and a description of it."""
+    frac = args.kv_frac if args.kv_frac is not None else None if args.simulate or args.trace else DEFAULT_KV_FRAC
+    blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
+    if args.simulate:
+        from nanoflow.sim import PRESETS, build_engine
+        if args.preset not in PRESETS:
+            raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
+        make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config)
+        return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
+    options = dict(device=args.device, num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
+                   max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
+    return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), \
+        f"real engine: {args.ckpt or 'demo model'} on {device} ({name}, torch {torch.__version__})"
+
+
+def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Workload, dict]:
+    """Each policy on a fresh engine: the same warm-up probe, then the identical workload."""
+    make, where = engine_factory(args, w)
+    runs, info = [], {"engine": where}
+    for policy in args.policies.split(","):
+        engine = make(policy)
+        blocks, step_tokens = engine.stats()["device_blocks_total"], engine.scheduler.max_num_batched_tokens
+        context = min(engine.max_model_len, blocks * BLOCK_SIZE)  # a request larger than the pool can never run
+        w = w.clamped(context)
+        probe = drive(engine, probe_workload(w, blocks, step_tokens).clamped(context), "warm-up")
+        if not runs:
+            speed, capacity = decode_rates(probe.records)
+            info.update(kv_blocks=blocks, probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
+                        rates=f"{args.read_rate} (as given)")
+            if args.read_rate == "auto":
+                w, info["rates"] = auto_rates(w, speed, capacity)
+        runs.append(drive(engine, w, policy))
+        del engine  # its model and KV memory go before the next engine's arrive
+    return runs, w, info
+
+
+# ---------------------------------------------------------------- output
+
+
+ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
+        ("TTFT p99 (s)", "ttft_p99", "{:.2f}"), ("TBT p99 (s)", "tbt_p99", "{:.3f}"),
+        ("rebuffer mean (s)", "rebuffer_mean", "{:.2f}"), ("rebuffer p99 (s)", "rebuffer_p99", "{:.2f}"),
+        ("QoE mean", "qoe_mean", "{:.3f}"), ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
+        ("effective throughput (tok/s)", "effective_throughput", "{:.1f}"),
+        ("throughput (tok/s)", "throughput", "{:.1f}"), ("makespan (s)", "makespan", "{:.1f}"),
+        ("preemptions (resumed by load/recompute)", "preemptions", "{:.0f}"),
+        ("GB moved host<->device", "gb", "{:.2f}"),
+        ("requests completed", "completed", "{:.0f}")]
+
+
+def cell(s: dict, key: str, fmt: str) -> str:
+    if key == "preemptions":
+        return f"{s['preemptions']} ({s['resumes_load']}/{s['resumes_recompute']})"
+    return fmt.format(s[key])
+
+
+def table(runs: list[Run]) -> str:
+    sums = [{**r.summary, "gb": (r.summary["bytes_to_host"] + r.summary["bytes_to_device"]) / 1e9} for r in runs]
+    head = [""] + [r.name for r in runs] + ([f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else [])
+    lines = [head]
+    for label, key, fmt in ROWS:
+        ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if len(runs) > 1 else []
+        lines.append([label] + [cell(s, key, fmt) for s in sums] + ratio)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
+                     for row in lines)
+
+
+def write_json(path: str, runs: list[Run], config: dict) -> None:
+    policies = {r.name: r.summary for r in runs}
+    Path(path).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
+
+
+def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list[float], list[int]]:
+    """(time, unread tokens) at every generation and read: the request's buffer over time."""
+    events = sorted([(t, 1) for t in token_times] + [(t, -1) for t in read_times(token_times, rate)])
+    xs, ys, level = [], [], 0
+    for t, delta in events:
+        level += delta
+        xs.append(t - start)
+        ys.append(level)
+    return xs, ys
+
+
+def plot(runs: list[Run], path: str) -> None:
+    """Each request's buffer over time, per policy, and the TTFT CDF of every policy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(6 * (len(runs) + 1), 4.5))
+    for ax in axes[1:-1]:
+        ax.sharey(axes[0])
+    for ax, run in zip(axes, runs):
+        for r in run.records:
+            ax.step(*buffer_curve(r.token_times, r.rate, run.start), where="post", lw=0.5, alpha=0.4)
+        ax.set(title=f"{run.name}: each request's buffer", xlabel="time (s)", ylabel="unread tokens")
+    for run in runs:
+        ttfts = sorted(r.ttft for r in run.records if r.token_times)
+        axes[-1].step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post", label=run.name)
+    axes[-1].axvline(TTFT_TARGET, color="gray", ls=":", label=f"{TTFT_TARGET} s")
+    axes[-1].set(title="TTFT CDF", xlabel="TTFT (s)", ylabel="share of requests")
+    axes[-1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------- GPU: kernels and transfers
+
+
+KERNEL_BATCHES, KERNEL_CONTEXTS = (1, 32, 128), (512, 2048, 8192)
+WARMUP, ITERS = 3, 10
+L2_FLUSH_BYTES = 256 << 20  # written before each timed call, so small inputs are not served from L2
+COPY_BYTES = 1 << 30
+TRANSFER_BYTES = 2 << 30  # KV moved per transfer measurement
+DECODE_BATCH, DECODE_CONTEXT = 64, 1024
+
+
+def require_cuda(flag: str) -> bool:
+    if not torch.cuda.is_available():
+        print(f"{flag} times GPU work and needs a CUDA GPU; none here, so nothing to measure.")
+    return torch.cuda.is_available()
+
+
+def cuda_time(fn) -> float:
+    """Median seconds of one call of fn on the current stream, L2 flushed before each call."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for _ in range(WARMUP):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def seconds(fn) -> float:
+    """Wall seconds of one call of fn (which returns once its work is done)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_kernels() -> None:
+    """Decode attention at Llama-3-8B shapes, in bytes/s next to a plain device-to-device copy."""
+    from nanoflow.attention import decode_attention_triton
+    heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    peak = 2 * COPY_BYTES / cuda_time(lambda: dst.copy_(src))
+    print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
+    print(f"{'batch':>5} {'context':>7} {'time us':>9} {'GB/s':>7} {'of copy':>7}")
+    for batch in KERNEL_BATCHES:
+        for context in KERNEL_CONTEXTS:
+            num_blocks = batch * context // BLOCK_SIZE  # every block belongs to one sequence, in random order
+            pool = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device="cuda")
+            tables = torch.randperm(num_blocks, device="cuda").view(batch, -1).int()
+            lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
+            s = cuda_time(lambda: decode_attention_triton(q, pool[:, 0], pool[:, 1], tables, lens, context,
+                                                          head_dim ** -0.5))
+            nbytes = pool.numel() * pool.element_size() + 2 * q.numel() * q.element_size()  # K + V, q, out
+            print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {nbytes / s / peak:>7.0%}")
+
+
+def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
+    """Device and host KV pools of num_blocks Llama-3-8B blocks (bf16) each, and the Swapper between them."""
+    from nanoflow.sim import LLAMA3_8B as c
+    shape = (c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
+    return Swapper(KVPool(num_blocks, *shape), KVPool(num_blocks, *shape, host=True))
+
+
+def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
+    """Bytes/s of evicting every device block, scattered, to host, and of loading them all back."""
+    blocks = sw.device.num_blocks
+    sw.device.free_blocks = deque(random.sample(range(blocks), blocks))
+    req = SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0,
+                          num_computed_tokens=blocks * BLOCK_SIZE)
+    sw.device.grow(req.block_table, req.num_computed_tokens)
+
+    def evict():
+        sw.forget(req)  # drop the host copy, so that every block is copied again
+        sw.evict(req)
+        sw.complete_all()
+
+    def load():
+        sw.load(req)
+        sw.complete_all()
+        torch.cuda.synchronize()
+
+    rounds = [(seconds(evict), seconds(load)) for _ in range(1 + ITERS // 2)][1:]  # the first round warms up
+    return tuple(blocks * sw.block_bytes / statistics.median(t) for t in zip(*rounds))
+
+
+def bench_transfers() -> None:
+    """The Swapper's chunked copies against one raw pinned copy_ of the same bytes; decode beside write-through."""
+    from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
+    sw = llama_swapper(TRANSFER_BYTES // (BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16.itemsize)))
+    nbytes, (to_host, to_device) = sw.device.num_blocks * sw.block_bytes, swapper_bandwidth(sw)
+    del sw
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = (nbytes / cuda_time(lambda: pinned.copy_(dev, non_blocking=True)),
+           nbytes / cuda_time(lambda: dev.copy_(pinned, non_blocking=True)))
+    del dev, pinned
+    print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs one pinned copy_")
+    print(f"{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
+    for name, ours, theirs in (("device->host", to_host, raw[0]), ("host->device", to_device, raw[1])):
+        print(f"{name:>13} {ours / 1e9:>13.1f} {theirs / 1e9:>9.1f} {ours / theirs:>6.0%}")
+    bench_decode_beside_write_through()
+
+
+def random_model(device: str) -> Transformer:
+    """Llama-3-8B's shape with random bf16 weights: timing needs no checkpoint."""
+    from nanoflow.sim import LLAMA3_8B
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_8B).to(torch.bfloat16)
+    model.to_empty(device=device)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    model.inv_freq = rope_inv_freq(LLAMA3_8B).to(device)
+    return model.eval()
+
+
+def bench_decode_beside_write_through(device: str = "cuda") -> None:
+    """One decode step at batch 64, alone and right after the engine's per-step write-through is queued."""
+    model, per_seq = random_model(device), DECODE_CONTEXT // BLOCK_SIZE
+    sw = llama_swapper(DECODE_BATCH * per_seq, device)
+    reqs = [SimpleNamespace(block_table=list(range(i * per_seq, (i + 1) * per_seq)), host_block_table=[],
+                            num_computed_tokens=DECODE_CONTEXT - 1, num_host_tokens=0) for i in range(DECODE_BATCH)]
+    meta, positions = build_metadata([r.block_table for r in reqs], [DECODE_CONTEXT - 1] * DECODE_BATCH,
+                                     [1] * DECODE_BATCH, DECODE_BATCH, BLOCK_SIZE, torch.device(device))
+    ids = torch.randint(model.config.vocab_size, (DECODE_BATCH,), device=device)
+    rows, caches = torch.arange(DECODE_BATCH, device=device), sw.device.layer_caches()
+
+    def step():
+        model(ids, positions, caches, meta, rows)
+        torch.cuda.current_stream().synchronize()  # the compute stream only: copies may still be running
+
+    def write_through_then_step() -> float:
+        sw.complete_all()
+        for r in reqs:
+            sw.forget(r)  # so that there is always something to write
+        return seconds(lambda: (sw.write_through(reqs, max_blocks), step()))  # what the engine does per step
+
+    alone = statistics.median(seconds(step) for _ in range(ITERS))
+    max_blocks = max(1, int(alone * sw.bandwidth / sw.block_bytes))  # as Scheduler.after_step sizes it
+    beside = statistics.median(write_through_then_step() for _ in range(ITERS))
+    print(f"decode step, Llama-3-8B shape, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: {alone * 1e3:.1f} ms "
+          f"alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} blocks "
+          f"({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it")
+
+
+# ---------------------------------------------------------------- offline generation against transformers
 
 
 def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int) -> None:
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM
 
     from nanoflow.model import demo_checkpoint
@@ -42,18 +612,114 @@ def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, n
         print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
 
-def main() -> None:
+# ---------------------------------------------------------------- the command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
-    ap.add_argument("--vs-transformers", action="store_true", help="compare LLM.generate with transformers' generate")
-    ap.add_argument("--batch-sizes", default="1,16", help="prompts per generate call, comma-separated")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
-    if args.vs_transformers:
-        vs_transformers(args.ckpt, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.new_tokens)
+    add = ap.add_argument
+    work = ap.add_mutually_exclusive_group()
+    work.add_argument("--burst", type=int, metavar="N", help="N requests, all arriving at t=0")
+    work.add_argument("--poisson", type=float, metavar="RATE", help="Poisson arrivals, RATE requests/s")
+    work.add_argument("--trace", metavar="CSV", help="replay arrival_s,prompt_tokens,output_tokens rows, e.g. "
+                      f"../shared/traces/azure_code_burst_10min.csv: the {TRACE_CREDIT}")
+    add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: %(default)s)")
+    add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this (0.5: twice the rate)")
+    add("--prompt-len", help="prompt tokens, MEAN[:SPREAD] of a normal (default: 64:16; 128 for --vs-transformers)")
+    add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD]; each runs to its length (default: "
+        "%(default)s)")
+    add("--read-rate", default="auto", help=f"readers' tokens/s: a rate, a mix RATE:SHARE,... ({PAPER_MIX} is the "
+        "paper's) or auto: the paper's mix scaled to this engine's measured speed, so that readers are slower than "
+        "decoding and their total demand within capacity (default: %(default)s)")
+    add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: %(default)s)")
+    add("--policies", default="fcfs,tokenflow", help="run one after the other (default: %(default)s)")
+    add("--tokenflow", default="", metavar="KEY=VALUE,...", help="TokenFlow's constants (DESIGN §6; defaults: " +
+        ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(TokenFlowConfig)) + ")")
+    add("--simulate", action="store_true", help="run a simulated engine on a virtual clock (nanoflow/sim.py)")
+    add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
+    add("--calibrate", action="store_true", help="fit a cost model to this engine on this machine and print it")
+    add("--http", metavar="URL", help="send the workload to a running server (python -m nanoflow.serve)")
+    add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
+    add("--device", help="cuda or cpu (default: cuda when available)")
+    add("--num-kv-blocks", type=int, help=f"device KV blocks of {BLOCK_SIZE} tokens")
+    add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
+        f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
+        "else all memory)")
+    add("--host-kv-gb", type=float, default=4.0, help="host memory for swapped-out KV (default: %(default)s)")
+    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default: %(default)s)")
+    add("--context", type=int, default=8192, help="--http: clamp lengths to this context (default: %(default)s)")
+    add("--json", metavar="PATH", help="write the config and each policy's metrics as JSON")
+    add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs (needs matplotlib)")
+    add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
+    add("--transfers", action="store_true", help="time KV swaps, and decode beside write-through (GPU only)")
+    add("--vs-transformers", action="store_true", help="compare LLM.generate with transformers' generate")
+    add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
+    add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens generated per prompt")
+    args = ap.parse_args(argv)
+    if not (args.burst or args.poisson or args.trace or args.kernels or args.transfers or args.vs_transformers
+            or args.calibrate):
+        ap.error("choose a workload (--burst, --poisson or --trace) or --kernels, --transfers, --vs-transformers, "
+                 "--calibrate")
+    try:
+        parse_dist(args.prompt_len or "1"), parse_dist(args.output_len)
+        parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
+    except ValueError:
+        ap.error("--prompt-len and --output-len take MEAN[:SPREAD]; --read-rate takes RATE[:SHARE],... or auto")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+    try:
+        args.tokenflow_config = TokenFlowConfig(**{k: float(v) for k, v in (kv.split("=") for kv in
+                                                                          args.tokenflow.split(",") if kv)})
+    except (TypeError, ValueError):
+        ap.error(f"--tokenflow takes KEY=VALUE,... with keys {', '.join(TokenFlowConfig.__dataclass_fields__)}")
+    if not set(args.policies.split(",")) <= set(POLICIES):
+        ap.error(f"--policies: choose from {', '.join(POLICIES)}")
+    if args.http and args.read_rate == "auto":
+        ap.error("--http needs --read-rate: auto measures an engine in this process")
+    return args
+
+
+def serving_bench(args: argparse.Namespace) -> None:
+    args.prompt_len = args.prompt_len or "64:16"
+    w = build_workload(args)
+    if args.trace:
+        print(f"trace: {TRACE_CREDIT}")
+    if args.http:
+        w = w.clamped(args.context)
+        runs, info = [drive_http(args.http, w)], {"engine": f"server at {args.http}", "rates": args.read_rate}
     else:
-        ap.print_help()
+        runs, w, info = run_policies(args, w)
+    print(f"workload: {w.source}; seed {args.seed}")
+    print(f"engine: {info['engine']}")
+    if "kv_blocks" in info:
+        print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold {info['probe_batch']} of the "
+              f"{len(w)} requests at full length")
+    print(f"readers: {info['rates']}")
+    print(table(runs))
+    config = {**vars(args), "tokenflow_config": dataclasses.asdict(args.tokenflow_config), **info,
+              "mean_rate": sum(w.rate) / len(w), "workload": w.source,
+              "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
+              **({"trace_credit": TRACE_CREDIT} if args.trace else {})}
+    if args.json:
+        write_json(args.json, runs, config)
+    if args.plot:
+        plot(runs, args.plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.kernels and require_cuda("--kernels"):
+        bench_kernels()
+    if args.transfers and require_cuda("--transfers"):
+        bench_transfers()
+    if args.vs_transformers:
+        vs_transformers(args.ckpt, [int(b) for b in args.batch_sizes.split(",")],
+                        round(parse_dist(args.prompt_len or "128")[0]), args.new_tokens)
+    if args.calibrate:
+        from nanoflow.sim import calibrate
+        print(calibrate(LLM(args.ckpt, device=args.device)).describe())
+    if args.burst or args.poisson or args.trace:
+        serving_bench(args)
 
 
 if __name__ == "__main__":

@@ -1025,3 +1025,62 @@ def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
         assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
         over[policy] = engine.stats()["preemptions"]
     assert over["tokenflow"] <= over["fcfs"]
+
+
+# ---------------------------------------------------------------- bench.py: a tiny run of each mode
+# Each mode runs the same few short requests on the tiny checkpoint (or the CPU preset) and must print
+# the side-by-side table and write JSON whose numbers are finite and consistent. No timing is asserted.
+
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+
+import bench  # noqa: E402
+
+BENCH_WORKLOAD = ["--burst", "4", "--prompt-len", "12:2", "--output-len", "10:2", "--seed", "1"]
+
+
+def check_bench_output(out: str, path, policies: list[str]) -> None:
+    assert "TTFT p99 (s)" in out and "effective throughput" in out and all(p in out for p in policies)
+    report = json.loads(path.read_text())
+    assert report["config"]["burst"] == 4 and list(report["policies"]) == policies
+    for m in report["policies"].values():
+        assert all(key in m and math.isfinite(m[key]) for key in bench.METRIC_KEYS)
+        assert m["completed"] == m["requests"] == 4
+        assert m["ttft_p50"] <= m["ttft_p99"] and m["rebuffer_mean"] >= 0 and 0 <= m["qoe_good_share"] <= 1
+        assert 0 < m["effective_throughput"] <= m["throughput"] and m["makespan"] > 0
+
+
+def test_bench_in_process(ckpt, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    bench.main(["--ckpt", str(ckpt), "--device", "cpu", *BENCH_WORKLOAD, "--json", str(path)])
+    out = capsys.readouterr().out
+    check_bench_output(out, path, ["fcfs", "tokenflow"])
+    assert "tokenflow/fcfs" in out and "readers: a running request decodes at" in out  # auto rates, explained
+    tokens = [m["throughput"] * m["makespan"] for m in json.loads(path.read_text())["policies"].values()]
+    assert tokens[0] == pytest.approx(tokens[1])  # the identical workload: every output ran to its length
+
+
+def test_bench_simulate_with_plot(tmp_path, capsys):
+    path, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    bench.main(["--simulate", "--preset", "cpu-smollm2", *BENCH_WORKLOAD, "--read-rate", "15:0.4,20:0.6",
+                "--json", str(path), *plot])
+    check_bench_output(capsys.readouterr().out, path, ["fcfs", "tokenflow"])
+    assert not plot or png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_http(ckpt, tmp_path, capsys):
+    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny").start()
+    try:
+        path = tmp_path / "http.json"
+        bench.main(["--http", srv.url, *BENCH_WORKLOAD, "--read-rate", "20", "--json", str(path)])
+        check_bench_output(capsys.readouterr().out, path, ["http"])
+    finally:
+        srv.shutdown()
+
+
+def test_bench_gpu_modes_explain_themselves_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: these modes would measure it")
+    bench.main(["--kernels", "--transfers"])
+    assert capsys.readouterr().out.count("needs a CUDA GPU") == 2

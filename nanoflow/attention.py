@@ -123,7 +123,9 @@ def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor
     """[num_seqs, max_len, kv_heads, head_dim]: each sequence's first max_len cached tokens."""
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
-    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :max_len]
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    gathered = torch.index_select(cache, 0, ids)  # much faster on CPU than advanced indexing
+    return gathered.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

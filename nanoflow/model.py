@@ -47,7 +47,6 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v (and, for llama, o) projections carry a bias
     tie_word_embeddings: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
-    torch_dtype: str = "float32"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -73,7 +72,6 @@ class ModelConfig:
             attention_bias=ARCHITECTURES[arch] == "qwen2" or cfg.get("attention_bias", False),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
 
 

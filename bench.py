@@ -633,8 +633,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "decoding and their total demand within capacity (default: %(default)s)")
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: %(default)s)")
     add("--policies", default="fcfs,tokenflow", help="run one after the other (default: %(default)s)")
-    add("--tokenflow", default="", metavar="KEY=VALUE,...", help="TokenFlow's constants (DESIGN §6; defaults: " +
-        ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(TokenFlowConfig)) + ")")
+    add("--tokenflow", default="", metavar="KEY=VALUE,...",
+        help=f"TokenFlow's constants (DESIGN §6; defaults: {TokenFlowConfig.help()})")
     add("--simulate", action="store_true", help="run a simulated engine on a virtual clock (nanoflow/sim.py)")
     add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
     add("--calibrate", action="store_true", help="fit a cost model to this engine on this machine and print it")
@@ -668,10 +668,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     try:
-        args.tokenflow_config = TokenFlowConfig(**{k: float(v) for k, v in (kv.split("=") for kv in
-                                                                          args.tokenflow.split(",") if kv)})
-    except (TypeError, ValueError):
-        ap.error(f"--tokenflow takes KEY=VALUE,... with keys {', '.join(TokenFlowConfig.__dataclass_fields__)}")
+        args.tokenflow_config = TokenFlowConfig.parse(args.tokenflow)
+    except ValueError as e:
+        ap.error(f"--tokenflow takes KEY=VALUE,...: {e}")
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
     if args.http and args.read_rate == "auto":

@@ -929,6 +929,7 @@ def test_sigterm_ends_streams_and_exits_0(ckpt):
 
 from nanoflow.metrics import (Reader, RequestRecord, effective_weights, qoe, read_times,  # noqa: E402
                               rebuffer_time, summarize)
+from nanoflow.sched import TokenFlowConfig  # noqa: E402
 from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
 
 
@@ -969,7 +970,8 @@ def test_motivating_example():
                     per_prefill_token_s=0, per_decode_seq_s=0, link_bytes_per_s=1e9, num_kv_blocks=64,
                     num_host_blocks=1000, max_num_seqs=2)
     arrivals = [(0.0, 16, 300, 20.0), (0.0, 16, 300, 30.0), (2.0, 16, 300, 25.0)]
-    runs = {policy: drive(build_engine(toy, policy), arrivals) for policy in ("fcfs", "tokenflow")}
+    quick = TokenFlowConfig(interval=0.5)  # Δt at the toy's time scale (a 300-token answer lasts 7.5 s)
+    runs = {policy: drive(build_engine(toy, policy, tokenflow=quick), arrivals) for policy in ("fcfs", "tokenflow")}
     ttft = {policy: reqs[2].token_times[0] - reqs[2].arrival_time for policy, reqs in runs.items()}
     assert ttft["fcfs"] > 5.0  # R3 waits for R1 to finish its 300 tokens
     assert ttft["tokenflow"] < 0.1 * ttft["fcfs"]

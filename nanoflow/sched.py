@@ -14,6 +14,7 @@ Two policies decide who that is:
   recompute, whichever is estimated faster, before its reader runs dry.
 """
 
+import dataclasses
 import enum
 import itertools
 import math
@@ -142,10 +143,24 @@ class Request:
 class TokenFlowConfig:
     """TokenFlow's constants (DESIGN §6); each appears in --help of the server and the bench."""
 
-    interval: float = 0.5  # s between reschedules (Δt; the paper found 0.5-1.5 s, shorter slightly better)
+    interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s; shorter thrashes at H200 scale, bench --simulate)
     mu: float = 2.0  # safety factor: a buffer must cover mu switches before its request is preempted
     hysteresis: float = 0.1  # running requests look 10% more urgent than they are (Andes' bonus), so pairs don't swap
     memory_reserve: float = 0.05  # share of device KV blocks left free for growth between reschedules
+    write_through_below: float = 0.2  # write through once free device KV falls below this share (or someone waits)
+
+    @classmethod
+    def parse(cls, text: str) -> "TokenFlowConfig":
+        """From "interval=1.5,mu=2" (the --tokenflow option of the server and the bench)."""
+        fields = dict(kv.split("=", 1) for kv in text.split(",") if kv)
+        unknown = fields.keys() - cls.__dataclass_fields__.keys()
+        if unknown:
+            raise ValueError(f"unknown TokenFlow constant(s) {sorted(unknown)}; known: {list(cls.__dataclass_fields__)}")
+        return cls(**{k: float(v) for k, v in fields.items()})
+
+    @classmethod
+    def help(cls) -> str:
+        return ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
 
 
 @dataclass
@@ -290,6 +305,13 @@ class Scheduler:
         req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
         self.waiting.appendleft(req)
 
+    def _under_pressure(self) -> bool:
+        """Could a preemption come soon? Then write-through pays: someone waits, or (when copies run beside
+        compute) the device pool is nearly full. Synchronous copies (CPU) steal compute, so only the former."""
+        if self.waiting:
+            return True
+        return self.swapper.async_copies and self.kv.num_free < self.config.write_through_below * self.kv.num_blocks
+
     def _uses_host(self) -> bool:
         """tokenflow evicts to host memory when there is any; fcfs recomputes (tests may force either)."""
         if self.swapper is None or self.force_resume == "recompute":
@@ -322,7 +344,7 @@ class Scheduler:
         bs, bytes_per_block = self.kv.block_size, self.kv.bytes_per_block
         evict = (math.ceil(req.num_computed_tokens / bs) - req.num_host_tokens // bs) * bytes_per_block
         load = math.ceil(req.num_computed_tokens / bs) * bytes_per_block
-        io = (evict + load) / self.swapper.bandwidth if self.swapper else float("inf")
+        io = self.swapper.backlog() + (evict + load) / self.swapper.bandwidth if self.swapper else float("inf")
         recompute = req.num_tokens / self.rates.prefill_rate
         return min(io, recompute) + self.config.interval + self.rates.step_time
 
@@ -376,8 +398,8 @@ class Scheduler:
     def after_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Learn from the step just run; write newly filled blocks through to host, largest buffers first."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
-        if not self._uses_host() or not (self.swapper.async_copies or self.waiting):
-            return  # synchronous copies (CPU) steal compute: write through only when a preemption may come
+        if not self._uses_host() or not self._under_pressure():
+            return
         now = self.clock()
         by_buffer = sorted(self.running, key=lambda r: -r.time_to_stall(now))
         max_blocks = int(self.rates.step_time * self.swapper.bandwidth / self.kv.bytes_per_block)

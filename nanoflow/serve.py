@@ -36,7 +36,7 @@ from jinja2 import TemplateError
 
 from .engine import LLM, Engine
 from .metrics import RequestRecord, rebuffer_time
-from .sched import Request, SamplingParams
+from .sched import Request, SamplingParams, TokenFlowConfig
 
 log = logging.getLogger("nanoflow.serve")
 
@@ -56,7 +56,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up (DESIGN §12)
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
-LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb")  # CLI flags for LLM(...)
+LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):
@@ -660,6 +660,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "
                    "no read_rate (default: the engine's, 8)")
+    p.add_argument("--tokenflow", type=TokenFlowConfig.parse, metavar="KEY=VALUE,...",
+                   help=f"TokenFlow's constants (DESIGN §6; defaults: {TokenFlowConfig.help()})")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every path but /health")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests waiting for their "
                    "first token beyond which new ones get 503 with Retry-After (default: %(default)s)")

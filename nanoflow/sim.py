@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import Engine, Request
-from .kv import KVPool, cdiv
+from .kv import KVPool
 from .model import ModelConfig
 from .sched import SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
@@ -144,9 +144,8 @@ class SimSwapper(Swapper):
         self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
         return self._occupy(len(host_ids))  # the step that runs this request waits for it
 
-    def load_time(self, req: Request) -> float:
-        backlog = max(0.0, self.link_free_at - self.clock())
-        return backlog + cdiv(req.num_host_tokens, self.device.block_size) * self.block_bytes / self.bandwidth
+    def backlog(self) -> float:
+        return max(0.0, self.link_free_at - self.clock())
 
 
 class SimEngine(Engine):
@@ -203,7 +202,7 @@ def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps
     def params(n):
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
-    for p in prompt_lens:
+    for p in (min(p, engine.max_model_len - 2) for p in prompt_lens):
         engine.add_request([(7 * i) % vocab for i in range(p)], params(1))
         rows.append((p, 0, p, timed_step()))
     for b in batches:

@@ -105,9 +105,13 @@ class Swapper:
         self.device.free(req.block_table, after=self.pending_event())
         self.forget(req)
 
+    def backlog(self) -> float:
+        """Estimated seconds until the copies issued so far are done."""
+        return self.queued_bytes / self.bandwidth
+
     def load_time(self, req) -> float:
         """Estimated seconds until req's blocks would be back: the queue ahead of it, then its own."""
-        return (self.queued_bytes + cdiv(req.num_host_tokens, self.device.block_size) * self.block_bytes) / self.bandwidth
+        return self.backlog() + cdiv(req.num_host_tokens, self.device.block_size) * self.block_bytes / self.bandwidth
 
     def poll(self) -> None:
         """Finish the transfers whose DMA is done; free the blocks they were holding."""

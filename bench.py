@@ -533,7 +533,6 @@ def bench_transfers() -> None:
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     raw = (nbytes / cuda_time(lambda: pinned.copy_(dev, non_blocking=True)),
            nbytes / cuda_time(lambda: dev.copy_(pinned, non_blocking=True)))
-    del dev, pinned
     print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs one pinned copy_")
     print(f"{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
     for name, ours, theirs in (("device->host", to_host, raw[0]), ("host->device", to_device, raw[1])):

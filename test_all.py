@@ -1086,3 +1086,34 @@ def test_bench_gpu_modes_explain_themselves_without_cuda(capsys):
         pytest.skip("a GPU is here: these modes would measure it")
     bench.main(["--kernels", "--transfers"])
     assert capsys.readouterr().out.count("needs a CUDA GPU") == 2
+
+
+class SlowCopy:
+    """A stand-in for a CUDA event: its copy is done once waited for, or after a few polls."""
+
+    def __init__(self):
+        self.done, self.polls = False, 0
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.done or self.polls > 3
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
+    """As on a GPU, evicted blocks come back only when their copies finish: one eviction must be enough."""
+    path, _ = tiny
+    llm = LLM(path, device="cpu", num_kv_blocks=8, host_kv_gb=0.01, policy="fcfs")
+    engine, swapper = llm.engine, llm.engine.scheduler.swapper
+    swapper.pending_event = SlowCopy  # fcfs recomputes, but its freed blocks still wait for "copies in flight"
+    reqs = [engine.add_request([5] * 31, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            for _ in range(4)]
+    for _ in range(3):  # prefill (2 blocks each: all 8 used), a decode, then every request needs a third block
+        engine.step()
+    assert engine.stats()["preemptions"] == 2 and len(engine.scheduler.running) == 2
+    while engine.has_unfinished():
+        engine.step()
+    swapper.complete_all()
+    assert all(r.num_output_tokens == 8 for r in reqs) and engine.kv.num_free == engine.kv.num_blocks

@@ -123,7 +123,7 @@ class Engine:
         reqs = [req for req, _ in scheduled]
         for req in reqs:  # the compute stream waits for the loads of exactly these requests
             if req.load_event is not None:
-                torch.cuda.current_stream().wait_event(req.load_event)
+                torch.cuda.current_stream(self.device).wait_event(req.load_event)
                 req.load_event = None
         query_lens = [n for _, n in scheduled]
         computed = [req.num_computed_tokens for req in reqs]

@@ -188,6 +188,8 @@ class Scheduler:
                  policy: str = "tokenflow", swapper: Swapper | None = None, config: TokenFlowConfig | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv, self.swapper, self.clock, self.policy = kv, swapper, clock, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.config = config or TokenFlowConfig()
@@ -223,6 +225,9 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
+                if self.kv.pending_free:  # evicted blocks come back once their copies are done: wait, don't evict more
+                    self.swapper.complete_all()
+                    continue
                 victim = self._victim(now)
                 budget += scheduled.pop(victim, 0)
                 self.preempt(victim)
@@ -247,8 +252,11 @@ class Scheduler:
                 continue  # just preempted: it stays out for an interval, so that nobody swaps back and forth
             load = req.status == RequestStatus.PREEMPTED and req.num_host_tokens > 0 and self._resume_by_load(req)
             start = req.num_host_tokens if load else req.num_computed_tokens
-            if self.kv.blocks_needed(req.block_table, start + 1) > self.kv.num_free - self._reserve(req):
-                return  # head-of-line: nobody overtakes the most urgent waiting request
+            need = self.kv.blocks_needed(req.block_table, start + 1)
+            if need > self.kv.num_free:
+                return  # head-of-line: nobody overtakes the most urgent waiting request...
+            if need > self.kv.num_free - self._reserve(req):
+                continue  # ...except that a newcomer may not take the reserve, which others may
             self._resume(req, load)
             room = (len(req.block_table) + self.kv.num_free) * self.kv.block_size - req.num_computed_tokens
             n = min(req.num_tokens - req.num_computed_tokens, budget, room)

@@ -121,10 +121,13 @@ class Swapper:
         self.host.release_pending()
 
     def complete_all(self) -> None:
+        """Wait for every copy; every block they held is free again."""
         while self.in_flight:
             self._finish_oldest()
-        self.device.release_pending()
-        self.host.release_pending()
+        for pool in (self.device, self.host):
+            for event, _ in pool.pending_free:
+                event.synchronize()
+            pool.release_pending()
 
     def pending_event(self) -> torch.cuda.Event | None:
         """The event after which every copy issued so far is done (None when nothing is in flight)."""
@@ -138,9 +141,8 @@ class Swapper:
             n = min(len(dev_ids) - lo, self.chunk_blocks)
             dst = torch.tensor(host_ids[lo:lo + n])
 
-            def gather_and_copy(src=dev_ids[lo:lo + n]):
-                src = torch.tensor(src, device=dev_stage.device)
-                torch.index_select(self.device.kv_cache, 0, src, out=dev_stage[:n])
+            def gather_and_copy(src=dev_ids[lo:lo + n], n=n, dev_stage=dev_stage, host_stage=host_stage):
+                torch.index_select(self.device.kv_cache, 0, self._indices(src), out=dev_stage[:n])
                 host_stage[:n].copy_(dev_stage[:n], non_blocking=True)
 
             def scatter(dst=dst, staged=host_stage[:n]):
@@ -155,14 +157,18 @@ class Swapper:
             n = min(len(host_ids) - lo, self.chunk_blocks)
             torch.index_select(self.host.kv_cache, 0, torch.tensor(host_ids[lo:lo + n]), out=host_stage[:n])
 
-            def copy_and_scatter(dst=dev_ids[lo:lo + n]):
-                dst = torch.tensor(dst, device=dev_stage.device)
+            def copy_and_scatter(dst=dev_ids[lo:lo + n], n=n, dev_stage=dev_stage, host_stage=host_stage):
                 dev_stage[:n].copy_(host_stage[:n], non_blocking=True)
-                self.device.kv_cache.index_copy_(0, dst, dev_stage[:n])
+                self.device.kv_cache.index_copy_(0, self._indices(dst), dev_stage[:n])
 
             self._copy_chunk(n, copy_and_scatter, lambda: None)
             self.counters["bytes_to_device"] += n * self.block_bytes
         return self.pending_event()
+
+    def _indices(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, without blocking the host (a plain torch.tensor(..., device=) syncs)."""
+        t = torch.tensor(ids)
+        return t.pin_memory().to(self.device.kv_cache.device, non_blocking=True) if self.on_cuda else t
 
     def _claim_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next staging pair, once the transfer that used it last has finished."""
@@ -181,7 +187,7 @@ class Swapper:
             self._measured(nbytes, time.perf_counter() - start)
             return
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.stream.wait_stream(torch.cuda.current_stream())  # the blocks were written by the compute stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the compute stream wrote the blocks
         with torch.cuda.stream(self.stream):
             start.record()
             device_work()

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import torch
 
 from nanoflow import LLM, SamplingParams
-from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN
+from nanoflow.engine import READ_RATE_MAX, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
@@ -88,11 +88,7 @@ class Workload:
         return dataclasses.replace(self, prompt_len=prompts, output_len=outputs, source=source)
 
     def scaled_rates(self, factor: float) -> "Workload":
-        return dataclasses.replace(self, rate=[clamp_rate(r * factor) for r in self.rate])
-
-
-def clamp_rate(r: float) -> float:
-    return min(max(r, READ_RATE_MIN), READ_RATE_MAX)  # the engine clamps too: the metrics must use what it uses
+        return dataclasses.replace(self, rate=[clamp_read_rate(r * factor) for r in self.rate])
 
 
 def parse_dist(text: str) -> tuple[float, float]:
@@ -131,7 +127,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
-    return Workload(arrival, prompts, outputs, [clamp_rate(r) for r in rates], args.seed, source)
+    return Workload(arrival, prompts, outputs, [clamp_read_rate(r) for r in rates], args.seed, source)
 
 
 # ---------------------------------------------------------------- readers: `--read-rate auto`

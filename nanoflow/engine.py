@@ -49,7 +49,7 @@ class Engine:
         self.check_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        rate = min(max(params.read_rate or self.read_rate, READ_RATE_MIN), READ_RATE_MAX)
+        rate = clamp_read_rate(params.read_rate or self.read_rate)
         arrival = self.clock() if arrival_time is None else arrival_time
         req = Request(list(prompt_token_ids), params, arrival_time=arrival, read_rate=rate)
         if request_id is not None:
@@ -228,6 +228,11 @@ class LLM:
             self.engine.step()
         return [Output(r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids, r.finish_reason)
                 for r in reqs]
+
+
+def clamp_read_rate(rate: float) -> float:
+    """The rate the engine gives a reader: within [READ_RATE_MIN, READ_RATE_MAX]."""
+    return min(max(rate, READ_RATE_MIN), READ_RATE_MAX)
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -429,6 +429,101 @@ def plot(runs: list[Run], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---------------------------------------------------------------- the regime matrix: tokenflow must never lose
+
+
+MATRIX_BASE = "--simulate --preset h200-llama3-8b --prompt-len 512 --output-len 2048 --read-rate 20 --seed 0"
+TRACE = Path(__file__).parent / "data" / "azure_code_burst_10min.csv"
+MATRIX = [  # (name, bench arguments on top of MATRIX_BASE, targets beyond the bar: metric -> ratio to fcfs)
+    ("burst 400", "--burst 400", {"ttft_p99": 0.15, "effective_throughput": 1.6}),
+    ("burst 400, interval 0.5 s", "--burst 400 --tokenflow interval=0.5", {}),
+    ("burst 200, long outputs", "--burst 200 --prompt-len 1024 --output-len 4096 --read-rate 25", {}),
+    ("burst 64", "--burst 64", {}),
+    ("poisson 2/s", "--poisson 2 --duration 60", {}),
+    ("poisson 5/s", "--poisson 5 --duration 60", {}),
+    ("poisson 7/s", "--poisson 7 --duration 60", {}),
+    ("poisson 10/s", "--poisson 10 --duration 60", {}),
+    ("poisson 20/s (overload)", "--poisson 20 --duration 60", {}),
+    ("tight memory (400 blocks)", "--burst 400 --num-kv-blocks 400", {}),
+    ("long prompts, short outputs", "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5", {}),
+    ("slow readers (5 tok/s)", "--burst 400 --read-rate 5", {}),
+    ("fast readers (40 tok/s)", "--burst 400 --read-rate 40", {}),
+    ("reader mix 15:0.4,20:0.6", "--burst 400 --read-rate 15:0.4,20:0.6", {}),
+    ("azure code trace", f"--trace {TRACE} --read-rate 15:0.4,20:0.6", {}),
+    ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 --read-rate 15:0.4,20:0.6", {}),
+]
+# the bar, in every row: (metric, tokenflow must be at most (+1) or at least (-1), factor of fcfs, plus)
+BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
+       ("effective_throughput", -1, 0.95, 0.0)]
+
+
+def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]:
+    """What tokenflow misses of the bar (and of the row's own targets) against fcfs; empty = pass."""
+    misses = [f"{s['completed']}/{s['requests']} completed ({name})"
+              for name, s in (("fcfs", fcfs), ("tokenflow", tokenflow)) if s["completed"] != s["requests"]]
+    rules = BAR + [(key, 1 if ratio < 1 else -1, ratio, 0.0) for key, ratio in targets.items()]
+    for key, sign, factor, plus in rules:
+        limit = factor * fcfs[key] + sign * plus
+        if sign * (tokenflow[key] - limit) > 1e-9:
+            misses.append(f"{key} {tokenflow[key]:.3g} {'>' if sign > 0 else '<'} {limit:.3g}")
+    return misses
+
+
+def run_matrix(rows: list[tuple[str, str, dict]], base: str = MATRIX_BASE):
+    """Every row under both policies; yields (name, fcfs summary, tokenflow summary, misses) per row."""
+    for name, extra, targets in rows:
+        args = parse_args(f"{base} {extra} --policies fcfs,tokenflow".split())
+        runs, _, _ = run_workload(args)
+        fcfs, tokenflow = (r.summary for r in runs)
+        yield name, fcfs, tokenflow, verdict(fcfs, tokenflow, targets)
+
+
+MATRIX_HEAD = "| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | verdict |\n|---|---|---|---|---|---|"
+
+
+def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
+    """One markdown row: fcfs -> tokenflow for the bar's metrics, and the verdict."""
+    ratio = lambda key: f"{t[key] / f[key]:.2f}x" if f[key] else "-"  # noqa: E731
+    return (f"| {name} | {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} | {f['rebuffer_mean']:.2f} -> "
+            f"{t['rebuffer_mean']:.2f} | {ratio('effective_throughput')} | {ratio('throughput')} | "
+            f"{'pass' if not misses else 'FAIL: ' + '; '.join(misses)} |")
+
+
+def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
+    """Wall time of one schedule() call with N requests running and N/8 waiting, on the simulator."""
+    from nanoflow.sim import build_engine
+    print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>15}")
+    for policy in POLICIES:
+        for n in sizes:
+            engine = build_engine("h200-llama3-8b", policy, num_kv_blocks=n * 300)
+            s = engine.scheduler
+            s.max_num_seqs = n
+            for i in range(n + n // 8):
+                engine.add_request([1] * 64, SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20))
+            while len(s.running) < n:  # prefill everyone that fits
+                engine.step()
+            for _ in range(20):  # a few decodes, so that readers have buffers
+                engine.step()
+            spent = 0.0
+            for _ in range(steps):
+                start = time.perf_counter()
+                s.schedule()
+                spent += time.perf_counter() - start
+                for req in s.running:  # what the step would have done: one more token each
+                    req.num_computed_tokens = req.num_tokens
+                    req.token_ids.append(0)
+                    req.token_times.append(engine.clock())
+                engine.clock.advance_to(engine.clock() + 0.01)
+            rebalance = "-"
+            if hasattr(s.policy, "keep"):  # tokenflow: one full rebalance (working set, sort, fill, victims)
+                start = time.perf_counter()
+                for _ in range(10):
+                    s.policy.last_rebalance = float("-inf")
+                    s.policy.preemptions(s, engine.clock())
+                rebalance = f"{(time.perf_counter() - start) / 10 * 1e3:.3f}"
+            print(f"{policy:>10} {n:>8} {spent / steps * 1e3:>16.3f} {rebalance:>15}")
+
+
 # ---------------------------------------------------------------- GPU: kernels and transfers
 
 
@@ -648,11 +743,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps, and decode beside write-through (GPU only)")
     add("--vs-transformers", action="store_true", help="compare LLM.generate with transformers' generate")
+    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate every regime of the matrix (bursts, Poisson up to "
+        "overload, tight memory, long prompts, readers, traces) under both policies; one table with a verdict per row (FILTER: only rows whose name contains it)")
+    add("--sched-cost", action="store_true", help="time one scheduling decision at 256 and 1024 running requests")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens generated per prompt")
     args = ap.parse_args(argv)
     if not (args.burst or args.poisson or args.trace or args.kernels or args.transfers or args.vs_transformers
-            or args.calibrate):
+            or args.calibrate or args.matrix is not None or args.sched_cost):
         ap.error("choose a workload (--burst, --poisson or --trace) or --kernels, --transfers, --vs-transformers, "
                  "--calibrate")
     try:
@@ -673,16 +771,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def serving_bench(args: argparse.Namespace) -> None:
+def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
+    """The workload of args, through a server or under each policy in this process."""
     args.prompt_len = args.prompt_len or "64:16"
     w = build_workload(args)
-    if args.trace:
-        print(f"trace: {TRACE_CREDIT}")
     if args.http:
         w = w.clamped(args.context)
-        runs, info = [drive_http(args.http, w)], {"engine": f"server at {args.http}", "rates": args.read_rate}
-    else:
-        runs, w, info = run_policies(args, w)
+        return [drive_http(args.http, w)], w, {"engine": f"server at {args.http}", "rates": args.read_rate}
+    return run_policies(args, w)
+
+
+def serving_bench(args: argparse.Namespace) -> None:
+    if args.trace:
+        print(f"trace: {TRACE_CREDIT}")
+    runs, w, info = run_workload(args)
     print(f"workload: {w.source}; seed {args.seed}")
     print(f"engine: {info['engine']}")
     if "kv_blocks" in info:
@@ -714,6 +816,18 @@ def main(argv: list[str] | None = None) -> None:
         print(calibrate(LLM(args.ckpt, device=args.device)).describe())
     if args.burst or args.poisson or args.trace:
         serving_bench(args)
+    if args.sched_cost:
+        sched_cost()
+    if args.matrix is not None:
+        print(f"trace: {TRACE_CREDIT}\n{MATRIX_BASE} plus each row's arguments")
+        print(MATRIX_HEAD)
+        results = []
+        for result in run_matrix([row for row in MATRIX if args.matrix in row[0]]):
+            print(matrix_row(*result), flush=True)
+            results.append(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps([{"regime": n, "fcfs": f, "tokenflow": t, "misses": m}
+                                                   for n, f, t, m in results], indent=2))
 
 
 if __name__ == "__main__":

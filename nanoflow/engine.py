@@ -17,7 +17,7 @@ import torch
 
 from .kv import KVPool, build_metadata, cdiv
 from .model import IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint, load_model, sample
-from .sched import POLICIES, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
+from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
 
 CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
@@ -179,10 +179,10 @@ class LLM:
     """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
 
     def __init__(self, ckpt: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, policy: str = "tokenflow",
+                 block_size: int = 16, num_kv_blocks: int | None = None, policy: str | Policy = "tokenflow",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
                  read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None):
-        if policy not in POLICIES:  # before the model loads: a typo should fail fast
+        if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model, self.tokenizer = load_model(ckpt or demo_checkpoint(), device, _dtype(dtype))

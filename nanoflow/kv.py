@@ -58,6 +58,8 @@ class KVPool:
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend block_table in place to hold num_tokens; False (and nothing taken) if the pool is short."""
+        if num_tokens <= len(block_table) * self.block_size:
+            return True
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             return False

@@ -5,14 +5,18 @@ finishes. Each step the scheduler spends a budget of `max_num_batched_tokens`: d
 token each, so that running readers never stall behind a long prompt), then the chunks of prompts in
 progress, then waiting requests while KV memory allows.
 
-Two policies decide who that is:
-- `fcfs`, the vLLM/SGLang default: admit in arrival order; when a running request cannot grow,
-  preempt the newest by recompute (drop its KV, prefill it again later).
-- `tokenflow` (DESIGN §6): every request has a reader with a buffer of unread tokens. Under stress
-  (someone is waiting), requests whose buffers cover a switch are preempted (their KV goes to host
-  memory, swap.py) so that newcomers start at once; each preempted request comes back, by load or
-  recompute, whichever is estimated faster, before its reader runs dry.
+`Scheduler` is the mechanism (queues, KV blocks, swap, the step's token budget); a policy object
+decides who runs:
+- `FCFS`, SGLang's default: admit in arrival order while an estimate of the running requests'
+  growth says memory lasts; when a running request cannot grow anyway, retract the one with the
+  least output by recompute (drop its KV, prefill it again later).
+- `TokenFlow`: every request has a reader with a buffer of unread tokens. When someone waits,
+  requests whose buffers cover a few switches are preempted (their KV goes to host memory, swap.py)
+  so that newcomers start at once; each comes back, by load or recompute, whichever is estimated
+  faster, before its reader runs dry. Past the engine's capacity it adds no newcomers.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import enum
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv import KVPool
+from .kv import KVPool, cdiv
 from .metrics import Reader, RequestRecord
 from .swap import Swapper
 
@@ -127,9 +131,14 @@ class Request:
     def started(self) -> bool:
         return bool(self.token_times)
 
-    def time_to_stall(self, now: float) -> float:
-        """Seconds until the reader runs out of tokens (0 if it is waiting for one now)."""
-        return self.reader.buffer(self.token_times, now) / self.read_rate
+    def dry_at(self, now: float) -> float:
+        """When the reader runs out of tokens to read: later than now if it has a buffer, earlier if it
+        is waiting for a token already (then the longer ago, the longer it has stalled). A request
+        without tokens has been waiting since it arrived."""
+        if not self.token_times:
+            return self.arrival_time
+        buffer = self.reader.buffer(self.token_times, now)
+        return self.reader.last_read + (buffer + 1) / self.read_rate
 
     def stream_text(self) -> str:
         """The output text that is safe to show now: a possible start of a stop string is held back."""
@@ -140,13 +149,249 @@ class Request:
 
 
 @dataclass
+class StepRates:
+    """What the engine has measured, for the estimates the policies need (EMAs of recent steps)."""
+
+    decode_step_time: float = 0.05  # s per step that decodes only (a guess until the first is measured)
+    prefill_rate: float = 2000.0  # prompt tokens/s on steps that are mostly prefill (likewise)
+    ema: float = 0.2
+    seen: Counter = field(default_factory=Counter)
+
+    def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        if prefill_tokens > decode_tokens:
+            self.prefill_rate = self._average("prefill", self.prefill_rate, prefill_tokens / seconds)
+        elif not prefill_tokens and decode_tokens:
+            self.decode_step_time = self._average("decode", self.decode_step_time, seconds)
+
+    def _average(self, key: str, old: float, new: float) -> float:
+        """The first measurement replaces the guess; later ones move the average."""
+        self.seen[key] += 1
+        return new if self.seen[key] == 1 else old + self.ema * (new - old)
+
+
+class Scheduler:
+    """The shared mechanism: queues, KV blocks, swap, and the token budget of each step.
+
+    Each step: the policy may preempt; running requests get their tokens (decodes first, then prompt
+    chunks), preempting the policy's victim when the pool cannot grow; then, if nobody had to be
+    preempted for memory, the policy admits waiting requests with what is left.
+    """
+
+    def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
+                 policy: str | Policy = "tokenflow", swapper: Swapper | None = None,
+                 config: TokenFlowConfig | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.kv, self.swapper, self.clock = kv, swapper, clock
+        self.policy = make_policy(policy, config) if isinstance(policy, str) else policy
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.rates = StepRates()
+        self.waiting: deque[Request] = deque()  # preempted requests first, then newcomers in arrival order
+        self.running: list[Request] = []  # in admission order
+        self.counters: Counter[str] = Counter()
+        self.last_arrival = float("-inf")
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+        self.last_arrival = self.clock()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's (request, number of new tokens), decodes first."""
+        now = self.clock()
+        if self.swapper:
+            self.swapper.poll()  # finished copies give their blocks back
+        for req in self.policy.preemptions(self, now):
+            self.preempt(req)
+        scheduled, budget, short = self._schedule_running(now)
+        if self.waiting and not short:  # a pool too short for the running requests has no room for anyone new
+            self.policy.admit(self, scheduled, budget, now)
+        items = list(scheduled.items())
+        return [item for item in items if item[1] == 1] + [item for item in items if item[1] > 1]
+
+    def _schedule_running(self, now: float) -> tuple[dict[Request, int], int, bool]:
+        """Tokens for the running requests, decodes first; victims preempted when the pool runs out."""
+        budget, short, scheduled = self.policy.token_budget(self, now), False, {}
+        decodes, chunks = [], []
+        for r in self.running:
+            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else chunks).append(r)
+        for req in decodes + chunks:
+            if budget == 0 or req.status != RequestStatus.RUNNING or not loaded(req):
+                continue  # out of budget, preempted for an older one, or its KV is still on its way
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
+                if self.kv.pending_free:  # evicted blocks come back once their copies are done: wait, don't evict more
+                    self.swapper.complete_all()
+                    continue
+                victim = self.policy.victim(self, now)
+                budget += scheduled.pop(victim, 0)
+                self.preempt(victim)
+                self.policy.retracted(self)
+                short = True
+                if victim is req:
+                    break
+            else:
+                scheduled[req] = n
+                budget -= n
+        return scheduled, budget, short
+
+    def start(self, req: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
+        """Move a waiting request to running (loading its KV if the policy says so) and schedule its first
+        tokens, unless its load is still on the way; returns the budget left."""
+        if req.status == RequestStatus.PREEMPTED:
+            self._resume(req)
+        self.waiting.remove(req)
+        req.status, req.last_moved = RequestStatus.RUNNING, now
+        self.running.append(req)
+        if not loaded(req):
+            return budget
+        room = (len(req.block_table) + self.kv.num_free) * self.kv.block_size - req.num_computed_tokens
+        n = min(req.num_tokens - req.num_computed_tokens, budget, room)
+        self.kv.grow(req.block_table, req.num_computed_tokens + n)
+        scheduled[req] = n
+        return budget - n
+
+    def blocks_to_start(self, req: Request) -> int:
+        """Device blocks req needs before its first step back: its loaded KV, or its first token to compute."""
+        start = req.num_host_tokens if self.resumes_by_load(req) else req.num_computed_tokens
+        return self.kv.blocks_needed(req.block_table, start + 1)
+
+    def resumes_by_load(self, req: Request) -> bool:
+        return (req.status == RequestStatus.PREEMPTED and req.num_host_tokens > 0
+                and self.policy.resume_by_load(self, req))
+
+    def _resume(self, req: Request) -> None:
+        """Bring back a preempted request's KV by load, or leave it to be recomputed from its tokens."""
+        if self.resumes_by_load(req):
+            self.swapper.load(req)
+            self.counters["resumes_load"] += 1
+            return
+        if self.swapper:
+            self.swapper.forget(req)
+        self.counters["resumes_recompute"] += 1
+
+    def preempt(self, req: Request) -> None:
+        """Take req off the device: evict its KV to host if the policy keeps it there, else drop it."""
+        self.running.remove(req)
+        if not (self.policy.evicts_to_host and self.swapper and self.swapper.evict(req)):
+            if self.swapper:
+                self.swapper.release(req)
+            else:
+                self.kv.free(req.block_table)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.counters["preemptions"] += 1
+        req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Take a request out of the queues for good and give back its blocks in both pools."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status != RequestStatus.FINISHED:
+            self.waiting.remove(req)
+        if self.swapper:
+            self.swapper.release(req)
+        else:
+            self.kv.free(req.block_table)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    def after_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """Learn from the step just run; the policy may copy freshly filled blocks to host."""
+        self.rates.observe(seconds, prefill_tokens, decode_tokens)
+        self.policy.after_step(self)
+
+
+def loaded(req: Request) -> bool:
+    """Is req's KV on the device? A resumed request joins the batch once its own load is done."""
+    return req.load_event is None or req.load_event.query()
+
+
+# ------------------------------------------------------------------------ the policies
+
+
+@dataclass
+class FCFSConfig:
+    """SGLang's admission estimate (its `new_token_ratio`): how much of a running request's remaining
+    max_tokens to keep free for it. Optimistic and decaying; a retraction resets it from what really ran."""
+
+    init_new_token_ratio: float = 0.7  # SGLang's default start
+    min_new_token_ratio: float = 0.1  # ...and its floor (SGLang: 0.14 of the start)
+    decay_steps: int = 600  # steps to decay from start to floor (SGLang's default)
+    retract_decode_steps: int = 20  # a retraction keeps room for this many more tokens of every survivor
+    clip_max_new_tokens: int = 4096  # estimates count at most this many of a request's max_tokens (SGLang's)
+
+
+class FCFS:
+    """The baseline (SGLang's default): admit in arrival order while the estimate says memory lasts;
+    when a running request cannot grow, retract the one with the least output by recompute."""
+
+    evicts_to_host = False
+
+    def __init__(self, config: FCFSConfig | None = None):
+        self.fcfs = config or FCFSConfig()
+        self.new_token_ratio = self.fcfs.init_new_token_ratio
+
+    def preemptions(self, s: Scheduler, now: float) -> list[Request]:
+        return []
+
+    def token_budget(self, s: Scheduler, now: float) -> int:
+        return s.max_num_batched_tokens
+
+    def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
+        """Waiting requests in queue order while the estimate says memory lasts; the first that does not
+        fit stops the rest."""
+        reserved = None  # summed over the running requests only when someone might fit
+        for req in self.admission_queue(s, now):
+            if budget == 0 or len(s.running) >= s.max_num_seqs:
+                return
+            need = self.future_tokens(s, req)
+            if need > s.kv.num_free * s.kv.block_size:
+                return
+            reserved = sum(self.future_tokens(s, r) for r in s.running) if reserved is None else reserved
+            if need > s.kv.num_free * s.kv.block_size - reserved:
+                return
+            budget = s.start(req, scheduled, budget, now)
+            reserved += self.future_tokens(s, req)  # less what it holds now
+
+    def admission_queue(self, s: Scheduler, now: float) -> list[Request]:
+        return list(s.waiting)
+
+    def future_tokens(self, s: Scheduler, req: Request) -> int:
+        """Tokens of KV the estimate keeps free for req: the rest of its known tokens, and a share of
+        the output it may still generate."""
+        left = min(req.params.max_tokens - req.num_output_tokens, self.fcfs.clip_max_new_tokens)
+        return s.kv.blocks_needed(req.block_table, req.num_tokens + 1) * s.kv.block_size + int(left * self.new_token_ratio)
+
+    def victim(self, s: Scheduler, now: float) -> Request:
+        """SGLang's retraction order: the least output, then the longest prompt (the cheapest to redo)."""
+        return min(s.running, key=lambda r: (r.num_output_tokens, -len(r.prompt_token_ids)))
+
+    def retracted(self, s: Scheduler) -> None:
+        """Memory ran out: the estimate was too optimistic; restart it from what the survivors need."""
+        decoded = sum(r.num_output_tokens for r in s.running)
+        wanted = sum(r.params.max_tokens for r in s.running)
+        if wanted:
+            self.new_token_ratio = min(1.0, (decoded + self.fcfs.retract_decode_steps * len(s.running)) / wanted)
+
+    def resume_by_load(self, s: Scheduler, req: Request) -> bool:
+        return False
+
+    def after_step(self, s: Scheduler) -> None:
+        step = (self.fcfs.init_new_token_ratio - self.fcfs.min_new_token_ratio) / self.fcfs.decay_steps
+        self.new_token_ratio = max(self.new_token_ratio - step, self.fcfs.min_new_token_ratio)
+
+
+@dataclass
 class TokenFlowConfig:
     """TokenFlow's constants (DESIGN §6); each appears in --help of the server and the bench."""
 
-    interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s; shorter thrashes at H200 scale, bench --simulate)
-    mu: float = 2.0  # safety factor: a buffer must cover mu switches before its request is preempted
+    interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s)
+    mu: float = 2.0  # safety factor: a buffer must cover mu switches (and an interval) before its request is preempted
+    capacity_share: float = 0.8  # readers may ask for this share of the measured tokens/s: switching costs the rest
     hysteresis: float = 0.1  # running requests look 10% more urgent than they are (Andes' bonus), so pairs don't swap
-    memory_reserve: float = 0.05  # share of device KV blocks left free for growth between reschedules
     write_through_below: float = 0.2  # write through once free device KV falls below this share (or someone waits)
 
     @classmethod
@@ -163,255 +408,203 @@ class TokenFlowConfig:
         return ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
 
 
-@dataclass
-class StepRates:
-    """What the engine has measured, for the estimates the policies need (EMA of recent steps)."""
+class TokenFlow(FCFS):
+    """Buffer-aware preemption on top of the baseline.
 
-    step_time: float = 0.05  # s per engine step
-    prefill_rate: float = 2000.0  # prompt tokens/s when prefilling
-    capacity: float = float("inf")  # output tokens/s the engine produces when it is busy (Γ)
-    ema: float = 0.2
+    Every interval, or when someone new arrives, it ranks the requests by urgency (readers about to run
+    dry, then newcomers, then the rest by when their readers run dry) and keeps the most urgent whose
+    KV fits on the device. Running requests outside that keep-set are preempted, their KV evicted to
+    host, when their readers can read through the switches, and only as many as the members that
+    cannot wait need; those are admitted first, the baseline's queue after them. Newcomers join only
+    while the readers' total rate stays within the engine's capacity; past it, the started requests
+    share the device among themselves. Each step's prompt chunks are cut so that no running reader
+    runs dry while the step computes.
+    """
 
-    def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
-        self.step_time += self.ema * (seconds - self.step_time)
-        if prefill_tokens > decode_tokens:
-            self.prefill_rate += self.ema * (prefill_tokens / seconds - self.prefill_rate)
-        elif decode_tokens:
-            rate = decode_tokens / seconds
-            self.capacity = rate if math.isinf(self.capacity) else self.capacity + self.ema * (rate - self.capacity)
+    evicts_to_host = True
 
-
-class Scheduler:
-    """Continuous batching with chunked prefill; preemption by eviction to host or by recompute."""
-
-    def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
-                 policy: str = "tokenflow", swapper: Swapper | None = None, config: TokenFlowConfig | None = None):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.kv, self.swapper, self.clock, self.policy = kv, swapper, clock, policy
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+    def __init__(self, config: TokenFlowConfig | None = None, fcfs: FCFSConfig | None = None):
+        super().__init__(fcfs)
         self.config = config or TokenFlowConfig()
-        self.rates = StepRates()
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: fcfs preempts the newest
-        self.counters: Counter[str] = Counter()
         self.last_rebalance = float("-inf")
-        self.num_steps = 0
-        self.force_preempt_every = 0  # testing only: preempt one running request every N steps...
-        self.force_resume: str | None = None  # ...and bring it back by "load" or "recompute"
+        self.keep: set[Request] = set()
+        self.overloaded = False  # the started readers alone ask for more tokens/s than the engine makes
 
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
+    # ------------------------------------------------------------ when and whom to preempt
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> list[tuple[Request, int]]:
-        """This step's (request, number of new tokens), decodes first."""
-        now = self.clock()
-        self.num_steps += 1
-        if self.swapper:
-            self.swapper.poll()  # finished copies give their blocks back
-        self._forced_preemption()
-        if self.policy == "tokenflow":
-            self._rebalance(now)
-        budget = self.max_num_batched_tokens
-        preempted = False  # for lack of memory: then nobody new starts this step
-        scheduled: dict[Request, int] = {}
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget == 0 or req not in self.running:  # out of budget, or preempted for an older one
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
-                if self.kv.pending_free:  # evicted blocks come back once their copies are done: wait, don't evict more
-                    self.swapper.complete_all()
-                    continue
-                victim = self._victim(now)
-                budget += scheduled.pop(victim, 0)
-                self.preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                scheduled[req] = n
-                budget -= n
-        if not preempted:
-            self._admit(scheduled, budget, now)
-        return sorted(scheduled.items(), key=lambda item: item[1] > 1)
-
-    # ------------------------------------------------------------ admission and resumption
-
-    def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:
-        """Start or resume waiting requests, most urgent first, while budget, seats and KV memory last."""
-        for req in self._admission_order(now):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
-                return
-            if self.policy == "tokenflow" and now - req.last_moved < self.config.interval:
-                continue  # just preempted: it stays out for an interval, so that nobody swaps back and forth
-            load = req.status == RequestStatus.PREEMPTED and req.num_host_tokens > 0 and self._resume_by_load(req)
-            start = req.num_host_tokens if load else req.num_computed_tokens
-            need = self.kv.blocks_needed(req.block_table, start + 1)
-            if need > self.kv.num_free:
-                return  # head-of-line: nobody overtakes the most urgent waiting request...
-            if need > self.kv.num_free - self._reserve(req):
-                continue  # ...except that a newcomer may not take the reserve, which others may
-            self._resume(req, load)
-            room = (len(req.block_table) + self.kv.num_free) * self.kv.block_size - req.num_computed_tokens
-            n = min(req.num_tokens - req.num_computed_tokens, budget, room)
-            self.kv.grow(req.block_table, req.num_computed_tokens + n)
-            self.waiting.remove(req)
-            req.status, req.last_moved = RequestStatus.RUNNING, now
-            self.running.append(req)
-            scheduled[req] = n
-            budget -= n
-
-    def _reserve(self, req: Request) -> int:
-        """Blocks a newcomer must leave free under tokenflow, so that running requests can grow without preemption."""
-        if self.policy == "fcfs" or req.status != RequestStatus.WAITING or not self.running:
-            return 0
-        return int(self.config.memory_reserve * self.kv.num_blocks)
-
-    def _admission_order(self, now: float) -> list[Request]:
-        if self.policy == "fcfs":
-            return list(self.waiting)
-        return sorted(self.waiting, key=lambda r: self._urgency(r, now))
-
-    def _resume(self, req: Request, load: bool) -> None:
-        """Bring back a preempted request's KV by load, or leave it to be recomputed from its tokens."""
-        if req.status != RequestStatus.PREEMPTED:
-            return
-        if load:
-            self.swapper.load(req)
-            self.counters["resumes_load"] += 1
-            return
-        if self.swapper:
-            self.swapper.forget(req)
-        self.counters["resumes_recompute"] += 1
-
-    def _resume_by_load(self, req: Request) -> bool:
-        if self.force_resume:
-            return self.force_resume == "load"
-        if self.policy == "fcfs":
-            return False
-        return self.swapper.load_time(req) <= req.num_host_tokens / self.rates.prefill_rate
-
-    # ------------------------------------------------------------ preemption
-
-    def preempt(self, req: Request) -> None:
-        """Take req off the device: evict its KV to host (tokenflow) or drop it for recompute (fcfs)."""
-        self.running.remove(req)
-        if not (self._uses_host() and self.swapper.evict(req)):
-            if self.swapper:
-                self.swapper.release(req)
-            else:
-                self.kv.free(req.block_table)
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.counters["preemptions"] += 1
-        req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
-        self.waiting.appendleft(req)
-
-    def _under_pressure(self) -> bool:
-        """Could a preemption come soon? Then write-through pays: someone waits, or (when copies run beside
-        compute) the device pool is nearly full. Synchronous copies (CPU) steal compute, so only the former."""
-        if self.waiting:
-            return True
-        return self.swapper.async_copies and self.kv.num_free < self.config.write_through_below * self.kv.num_blocks
-
-    def _uses_host(self) -> bool:
-        """tokenflow evicts to host memory when there is any; fcfs recomputes (tests may force either)."""
-        if self.swapper is None or self.force_resume == "recompute":
-            return False
-        return self.policy == "tokenflow" or self.force_resume == "load"
-
-    def _victim(self, now: float) -> Request:
-        """fcfs: the newest. tokenflow: the request whose reader has the most time left, if any can wait."""
-        if self.policy == "tokenflow":
-            can_wait = [r for r in self.running if self._preemptable(r, now)]
-            if can_wait:
-                return max(can_wait, key=lambda r: r.time_to_stall(now))
-        return self.running[-1]
-
-    def _forced_preemption(self) -> None:
-        if self.force_preempt_every and len(self.running) > 1 and self.num_steps % self.force_preempt_every == 0:
-            self.preempt(self.running[self.num_steps // self.force_preempt_every % len(self.running)])
-
-    # ------------------------------------------------------------ tokenflow
-
-    def _urgency(self, req: Request, now: float) -> float:
-        """Sort key, most urgent first: not started yet (by arrival), then least time until the reader stalls."""
-        if not req.started:
-            return -1e12 + req.arrival_time
-        bonus = 1 - self.config.hysteresis if req.status == RequestStatus.RUNNING else 1
-        return req.time_to_stall(now) * bonus
-
-    def _switch_time(self, req: Request) -> float:
-        """Estimated seconds to take req off the device and bring it back, plus one reschedule interval."""
-        bs, bytes_per_block = self.kv.block_size, self.kv.bytes_per_block
-        evict = (math.ceil(req.num_computed_tokens / bs) - req.num_host_tokens // bs) * bytes_per_block
-        load = math.ceil(req.num_computed_tokens / bs) * bytes_per_block
-        io = self.swapper.backlog() + (evict + load) / self.swapper.bandwidth if self.swapper else float("inf")
-        recompute = req.num_tokens / self.rates.prefill_rate
-        return min(io, recompute) + self.config.interval + self.rates.step_time
-
-    def _preemptable(self, req: Request, now: float) -> bool:
-        """Its buffer covers mu switches, and it has not moved within the last interval."""
-        return (req.started and now - req.last_moved >= self.config.interval
-                and req.time_to_stall(now) >= self.config.mu * self._switch_time(req))
-
-    def _rebalance(self, now: float) -> None:
-        """Every interval (or at once when a newcomer waits): preempt what the most urgent requests need."""
-        newcomer = any(not r.started and r.status == RequestStatus.WAITING for r in self.waiting)
-        if not self.waiting or (now - self.last_rebalance < self.config.interval and not newcomer):
-            return
+    def preemptions(self, s: Scheduler, now: float) -> list[Request]:
+        """The running requests that leave the device now to make room for more urgent ones."""
+        due = now - self.last_rebalance >= self.config.interval or s.last_arrival > self.last_rebalance
+        if not s.waiting or not due:
+            return []
         self.last_rebalance = now
-        members = [r for r in self.running + list(self.waiting) if r.started or r.status == RequestStatus.RUNNING]
-        demand = sum(r.read_rate for r in members)
-        for r in self.waiting:  # newcomers join the working set while total reading demand stays within capacity
-            if not r.started and r.status == RequestStatus.WAITING and demand + r.read_rate <= self.rates.capacity:
-                members.append(r)
-                demand += r.read_rate
-        keep = self._greedy_fill(sorted(members, key=lambda r: self._urgency(r, now)))
-        for r in [r for r in reversed(self.running) if r not in keep and self._preemptable(r, now)]:
-            self.preempt(r)
+        urgency = {r: self.urgency(s, r, now) for r in itertools.chain(s.running, s.waiting)}
+        started = [r for r in urgency if r.started]
+        capacity = self.config.capacity_share * self.batch_that_fits(s, started) / s.rates.decode_step_time
+        self.overloaded = sum(r.read_rate for r in started) > capacity
+        members = self.working_set(s, started, capacity, urgency)
+        self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
+        return self.victims(s, now, urgency)
 
-    def _greedy_fill(self, by_urgency: list[Request]) -> set[Request]:
-        """The most urgent requests whose KV fits in device memory (less a reserve) and in the seats."""
-        room = self.kv.num_blocks * (1 - self.config.memory_reserve)
-        keep: set[Request] = set()
-        for r in by_urgency[:self.max_num_seqs]:
-            need = math.ceil((r.num_tokens + 1) / self.kv.block_size)
+    def victims(self, s: Scheduler, now: float, urgency: dict[Request, tuple[int, float]]) -> list[Request]:
+        """Running requests outside the keep-set, least urgent first, until the waiting members that cannot
+        wait (newcomers, and readers about to run dry) have the blocks for their tokens and the seats
+        they need, or until the copies (out, and back later) would keep the host link busy past the next
+        rebalance: switching must not outrun the link. A reader with time to spare waits for room."""
+        joining = [r for r in s.waiting if r in self.keep and urgency[r][0] < 2]
+        blocks = sum(s.kv.blocks_needed(r.block_table, r.num_tokens + 1) for r in joining) - s.kv.num_free
+        seats = len(joining) - (s.max_num_seqs - len(s.running))
+        link = self.config.interval - (s.swapper.backlog() if s.swapper else 0.0)
+        out = []
+        for r in sorted((r for r in s.running if r not in self.keep), key=urgency.get, reverse=True):
+            if (blocks <= 0 and seats <= 0) or link <= 0:
+                break
+            if self.preemptable(s, r, now):
+                out.append(r)
+                blocks, seats = blocks - len(r.block_table), seats - 1
+                link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
+        return out
+
+    def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
+        """How many requests the device pool holds at their mean size over the rest of their lives (half
+        way between now and max_tokens), so that capacity is not promised on memory that growth takes back."""
+        if not started:
+            return float(s.max_num_seqs)
+        clip = self.fcfs.clip_max_new_tokens
+        size = sum(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, clip) / 2 for r in started)
+        return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
+
+    def working_set(self, s: Scheduler, started: list[Request], capacity: float,
+                    urgency: dict[Request, tuple[int, float]]) -> list[Request]:
+        """The started requests, and the newcomers (in arrival order) that the capacity left over by the
+        readers and the prefill rate over one interval leave room for; none past capacity, or while a
+        paused reader is about to run dry."""
+        demand = sum(r.read_rate for r in started)
+        prefill = s.rates.prefill_rate * self.config.interval  # prompt tokens that can start within the interval
+        members = list(started)
+        if self.overloaded or any(r.started and urgency[r][0] == 0 for r in s.waiting):
+            return members  # the readers already in need every token, or the estimates were too kind
+        for r in s.waiting:
+            if r.started:
+                continue
+            demand, prefill = demand + r.read_rate, prefill - (r.num_tokens - r.num_computed_tokens)
+            if demand > capacity or prefill < 0:
+                break
+            members.append(r)
+        return members
+
+    def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
+        """Sort key, most urgent first: readers that run dry before they could be brought back (the longest
+        stalled first), then newcomers by arrival, then the rest by when their readers run dry. Running
+        requests look `hysteresis` more urgent than they are, so that two requests do not swap places."""
+        if not req.started:
+            return 1, req.arrival_time
+        slack = req.dry_at(now) - now
+        if req.status == RequestStatus.RUNNING and slack > 0:
+            slack *= 1 - self.config.hysteresis
+        return (0 if slack < self.lead(self.switch_time(s, req)) else 2), now + slack
+
+    def lead(self, switch: float) -> float:
+        """How long before its reader runs dry a request must be back on the device: one switch, and one
+        interval, since the next rebalance may come that late."""
+        return switch + self.config.interval
+
+    def greedy_fill(self, s: Scheduler, by_urgency: list[Request]) -> set[Request]:
+        """The most urgent requests whose KV, and its growth until the next rebalance, fits on the device."""
+        growth = self.config.interval / s.rates.decode_step_time
+        room, keep = s.kv.num_blocks, set()
+        for r in by_urgency[:s.max_num_seqs]:
+            need = cdiv(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, growth), s.kv.block_size)
             if need > room:
                 break
             keep.add(r)
             room -= need
         return keep
 
-    # ------------------------------------------------------------ the end of a request
+    def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
+        """Its reader can stay off the device for mu - 1 switches before it has to come back (`lead`):
+        mu switches in all, counting the one that brings it back. And it has not moved within the last
+        interval, and it would not finish within the interval anyway."""
+        left = req.params.max_tokens - req.num_output_tokens
+        if not req.started or now - req.last_moved < self.config.interval or \
+                left * s.rates.decode_step_time <= self.config.interval:
+            return False
+        switch = self.switch_time(s, req)
+        return req.dry_at(now) - now >= self.lead(switch) + (self.config.mu - 1) * switch
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Take a request out of the queues for good and give back its blocks in both pools."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        if self.swapper:
-            self.swapper.release(req)
-        else:
-            self.kv.free(req.block_table)
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+    def switch_time(self, s: Scheduler, req: Request) -> float:
+        """Estimated seconds to take req off the device (unless it is off already) and bring it back by
+        load or recompute, whichever is faster, plus one reschedule interval and one step."""
+        bs, recompute, io = s.kv.block_size, req.num_tokens / s.rates.prefill_rate, float("inf")
+        on_device, on_host = cdiv(req.num_computed_tokens, bs), cdiv(req.num_host_tokens, bs)
+        unsynced = max(0, on_device - req.num_host_tokens // bs)
+        if s.swapper and max(on_device, on_host) and unsynced <= s.swapper.host.num_free:  # else: recompute
+            io = s.swapper.backlog() + s.swapper.transfer_time(unsynced + max(on_device, on_host))
+        return min(io, recompute) + self.config.interval + s.rates.decode_step_time
 
-    def after_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
-        """Learn from the step just run; write newly filled blocks through to host, largest buffers first."""
-        self.rates.observe(seconds, prefill_tokens, decode_tokens)
-        if not self._uses_host() or not self._under_pressure():
-            return
-        now = self.clock()
-        by_buffer = sorted(self.running, key=lambda r: -r.time_to_stall(now))
-        max_blocks = int(self.rates.step_time * self.swapper.bandwidth / self.kv.bytes_per_block)
-        self.swapper.write_through(by_buffer, max(1, max_blocks))
+    def victim(self, s: Scheduler, now: float) -> Request:
+        """Whom to preempt when the pool runs out: one whose reader can wait through a switch; else one
+        without a reader yet (the newest); else the reader with the most time left."""
+        can_wait = [r for r in s.running if self.preemptable(s, r, now)]
+        if can_wait:
+            return max(can_wait, key=lambda r: r.dry_at(now))
+        fresh = [r for r in s.running if not r.started]
+        return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at(now))
+
+    def token_budget(self, s: Scheduler, now: float) -> int:
+        """Tokens this step may carry: one per running request, and prompt tokens only as many as fit, with
+        the decode, in 1/mu of the time the least-buffered reader has left (the estimates are rough). A
+        reader that waits already is not helped by this; past capacity, the baseline's budget."""
+        if self.overloaded or (not s.waiting and all(r.num_tokens - r.num_computed_tokens <= 1 for r in s.running)):
+            return s.max_num_batched_tokens  # readers stall anyway, or decodes only: nothing to limit
+        readers = s.running + [r for r in s.waiting if r in self.keep and r.started]  # some resume this step
+        slack = min((t for r in readers if r.started and (t := r.dry_at(now) - now) > 0), default=float("inf"))
+        prompt_tokens = max(0.0, slack - 2 * s.rates.decode_step_time) * s.rates.prefill_rate
+        return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
+
+    # ------------------------------------------------------------ admission and resumption
+
+    def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
+        """The keep-set's waiting members first, most urgent first; the baseline's admission once none wait."""
+        members = sorted((r for r in s.waiting if r in self.keep), key=lambda r: self.urgency(s, r, now))
+        for req in members:  # the rebalance made room for them: their KV now, their growth for an interval
+            if budget == 0 or len(s.running) >= s.max_num_seqs or s.blocks_to_start(req) > s.kv.num_free:
+                return  # while a member waits for memory, nobody outside the keep-set may take it
+            budget = s.start(req, scheduled, budget, now)
+        super().admit(s, scheduled, budget, now)
+
+    def admission_queue(self, s: Scheduler, now: float) -> list[Request]:
+        """The baseline's queue, less those preempted within the last interval: what rebalancing took
+        off the device stays off until the next rebalance says otherwise."""
+        return [r for r in s.waiting if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval]
+
+    def resume_by_load(self, s: Scheduler, req: Request) -> bool:
+        """Load when the copy (behind the queued ones) is estimated faster than recomputing."""
+        load = s.swapper.backlog() + s.swapper.transfer_time(cdiv(req.num_host_tokens, s.kv.block_size))
+        return load <= req.num_host_tokens / s.rates.prefill_rate
+
+    def after_step(self, s: Scheduler) -> None:
+        """Write newly filled blocks through to host, largest buffers first, while a preemption may come."""
+        super().after_step(s)
+        if s.swapper and self.under_pressure(s):
+            now = s.clock()
+            by_buffer = sorted(s.running, key=lambda r: -r.dry_at(now))
+            max_blocks = int(s.rates.decode_step_time * s.swapper.bandwidth / s.kv.bytes_per_block)
+            s.swapper.write_through(by_buffer, max(1, max_blocks))
+
+    def under_pressure(self, s: Scheduler) -> bool:
+        """Could a preemption come soon? Then write-through pays: someone waits, or (when copies run beside
+        compute) the device pool is nearly full. Synchronous copies (CPU) steal compute, so only the former."""
+        if s.waiting:
+            return True
+        return s.swapper.async_copies and s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
 
 
-POLICIES = ("tokenflow", "fcfs")
+POLICIES = {"tokenflow": TokenFlow, "fcfs": FCFS}
+Policy = FCFS  # the interface every policy implements
+
+
+def make_policy(name: str, config: TokenFlowConfig | None = None) -> FCFS:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICIES)}")
+    return TokenFlow(config) if name == "tokenflow" else FCFS()

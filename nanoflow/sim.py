@@ -121,8 +121,24 @@ class _NoText:
         return ""
 
 
+@dataclass
+class VirtualEvent:
+    """A CUDA event's stand-in: a modelled copy that is done at `at` on the virtual clock."""
+
+    at: float
+    clock: VirtualClock
+
+    def query(self) -> bool:
+        return self.clock() >= self.at
+
+    def synchronize(self) -> None:
+        """The host waits for the copy: virtual time passes."""
+        self.clock.advance_to(self.at)
+
+
 class SimSwapper(Swapper):
-    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are Swapper's."""
+    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are Swapper's.
+    Blocks being copied return to their pool, and loaded requests may run, once their copy is done."""
 
     def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float):
         self.device, self.host, self.clock = device, host, clock
@@ -140,12 +156,25 @@ class SimSwapper(Swapper):
         self._occupy(len(dev_ids))
         self.counters["bytes_to_host"] += len(dev_ids) * self.block_bytes
 
-    def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> float:
+    def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> VirtualEvent:
         self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
-        return self._occupy(len(host_ids))  # the step that runs this request waits for it
+        return VirtualEvent(self._occupy(len(host_ids)), self.clock)
+
+    def pending_event(self) -> VirtualEvent | None:
+        return VirtualEvent(self.link_free_at, self.clock) if self.link_free_at > self.clock() else None
 
     def backlog(self) -> float:
         return max(0.0, self.link_free_at - self.clock())
+
+
+class ChargedScheduler(Scheduler):
+    """The scheduler, its own CPU time charged to the virtual clock: deciding is not free."""
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        start = time.perf_counter()
+        out = super().schedule()
+        self.clock.advance_to(self.clock() + time.perf_counter() - start)
+        return out
 
 
 class SimEngine(Engine):
@@ -159,13 +188,11 @@ class SimEngine(Engine):
         self.clock.advance_to(self.clock() + self.cost.overhead_s)
 
     def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
-        loads = [r.load_event for r, _ in scheduled if r.load_event is not None]
         for r, _ in scheduled:
-            r.load_event = None
+            r.load_event = None  # the scheduler runs a loaded request only once its copy is done
         decodes = sum(n == 1 for _, n in scheduled)
         prefill = sum(n for _, n in scheduled) - decodes
         kv_tokens = sum(r.num_computed_tokens + n for r, n in scheduled)
-        self.clock.advance_to(max(loads, default=0.0))
         self.clock.advance_to(self.clock() + self.cost.step_time(prefill, decodes, kv_tokens))
         return [SIM_TOKEN] * len(samplers)
 
@@ -185,7 +212,8 @@ def build_engine(preset: str | CostModel, policy: str, read_rate: float = 8.0, n
     device = _pool(num_kv_blocks or cost.num_kv_blocks, cost.block_size, block_bytes, host=False)
     swapper = SimSwapper(device, _pool(cost.num_host_blocks, cost.block_size, block_bytes, host=True), clock,
                          cost.link_bytes_per_s) if cost.num_host_blocks else None
-    scheduler = Scheduler(device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow)
+    scheduler = ChargedScheduler(device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper,
+                                 tokenflow)
     return SimEngine(cost, scheduler, read_rate)
 
 

@@ -89,7 +89,8 @@ class Swapper:
         """Copy req's KV back into fresh device blocks; False (nothing taken) if the device pool is short."""
         if not self.device.grow(req.block_table, req.num_host_tokens):
             return False
-        self.complete_all()  # its own eviction may still be on its way to host
+        while self.in_flight:  # its own eviction may still be on its way to host
+            self._finish_oldest()
         n = cdiv(req.num_host_tokens, self.device.block_size)
         req.load_event = self._to_device(req.host_block_table[:n], req.block_table[:n])
         req.num_computed_tokens = req.num_host_tokens
@@ -109,9 +110,9 @@ class Swapper:
         """Estimated seconds until the copies issued so far are done."""
         return self.queued_bytes / self.bandwidth
 
-    def load_time(self, req) -> float:
-        """Estimated seconds until req's blocks would be back: the queue ahead of it, then its own."""
-        return self.backlog() + cdiv(req.num_host_tokens, self.device.block_size) * self.block_bytes / self.bandwidth
+    def transfer_time(self, num_blocks: int) -> float:
+        """Estimated seconds to copy num_blocks blocks, once the link is free."""
+        return num_blocks * self.block_bytes / self.bandwidth
 
     def poll(self) -> None:
         """Finish the transfers whose DMA is done; free the blocks they were holding."""

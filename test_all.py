@@ -1087,7 +1087,8 @@ def test_switch_time_by_hand():
         req = running_request(engine, 100, 500)  # 100 tokens: 7 blocks of 16 on the device
         req.num_host_tokens = 64  # 4 of them written through already
         assert swapper.host.grow(req.host_block_table, 64)
-        s.rates.prefill_rate, s.rates.decode_step_time = 100.0, 0.02  # recompute: 100 tokens / 100 = 1.0 s
+        s.rates.prefill_rate = 100.0  # recompute: 100 tokens / 100 = 1.0 s
+        s.rates.observe(0.02, 0, 1)  # a decode step takes 0.02 s
         swapper.link_free_at = 0.5  # copies queued for 0.5 s ahead of this one
         # (3 blocks out + 7 back) x 16 tokens x 1000 bytes / 1e6 B/s = 0.16 s; + interval 1.5 + one step 0.02
         assert s.policy.switch_time(s, req) == pytest.approx(expected)
@@ -1142,7 +1143,8 @@ def test_mass_preemption_only_for_newcomers_that_can_start_within_the_interval(l
     engine.clock.advance_to(10.0)
     for r in olds:
         r.last_moved = 0.0
-    s.rates.prefill_rate, s.rates.decode_step_time = 1000.0, 0.02  # 1.5 s of prefill: 1500 prompt tokens
+    s.rates.prefill_rate = 1000.0  # 1.5 s of prefill: 1500 prompt tokens
+    s.rates.observe(0.02, 0, 30)  # a decode step of the 30 takes 0.02 s
     news = [engine.add_request([1] * 500, SamplingParams(max_tokens=10, ignore_eos=True, read_rate=1.0))
             for _ in range(40)]
     victims = s.policy.preemptions(s, engine.clock())

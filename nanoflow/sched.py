@@ -152,21 +152,37 @@ class Request:
 class StepRates:
     """What the engine has measured, for the estimates the policies need (EMAs of recent steps)."""
 
-    decode_step_time: float = 0.05  # s per step that decodes only (a guess until the first is measured)
-    prefill_rate: float = 2000.0  # prompt tokens/s on steps that are mostly prefill (likewise)
+    prefill_rate: float = 2000.0  # prompt tokens/s on steps that are mostly prefill (a guess until measured)
+    # the decode part of each step (its time less its prompt tokens' share) as moving averages of
+    # (batch, seconds, batch^2, batch x seconds): a line through them gives a decode step's time
+    decode_moments: tuple[float, float, float, float] = (1.0, 0.05, 1.0, 0.05)
     ema: float = 0.2
     seen: Counter = field(default_factory=Counter)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         if prefill_tokens > decode_tokens:
             self.prefill_rate = self._average("prefill", self.prefill_rate, prefill_tokens / seconds)
-        elif not prefill_tokens and decode_tokens:
-            self.decode_step_time = self._average("decode", self.decode_step_time, seconds)
+        decoding = seconds - prefill_tokens / self.prefill_rate
+        if decode_tokens and decoding > 0:
+            b = decode_tokens
+            self.decode_moments = self._average("decode", self.decode_moments, (b, decoding, b * b, b * decoding))
 
-    def _average(self, key: str, old: float, new: float) -> float:
-        """The first measurement replaces the guess; later ones move the average."""
+    def decode_time(self, batch: float) -> float:
+        """Seconds of a decode step of this many requests: the least-squares line through recent steps
+        (their mean time while their batch sizes hardly differ)."""
+        b, t, bb, bt = self.decode_moments
+        spread = bb - b * b
+        slope = max(0.0, (bt - b * t) / spread) if spread > 1.0 else 0.0
+        return max(t / 10, t + slope * (batch - b))
+
+    def _average(self, key: str, old, new):
+        """The first measurement replaces the guess; later ones move the average (tuples element-wise)."""
         self.seen[key] += 1
-        return new if self.seen[key] == 1 else old + self.ema * (new - old)
+        if self.seen[key] == 1:
+            return new
+        if isinstance(new, tuple):
+            return tuple(o + self.ema * (n - o) for o, n in zip(old, new))
+        return old + self.ema * (new - old)
 
 
 class Scheduler:
@@ -236,6 +252,10 @@ class Scheduler:
                 scheduled[req] = n
                 budget -= n
         return scheduled, budget, short
+
+    def step_time(self) -> float:
+        """Estimated seconds of the next decode step of the running requests."""
+        return self.rates.decode_time(len(self.running))
 
     def start(self, req: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
         """Move a waiting request to running (loading its KV if the policy says so) and schedule its first
@@ -440,7 +460,8 @@ class TokenFlow(FCFS):
         self.last_rebalance = now
         urgency = {r: self.urgency(s, r, now) for r in itertools.chain(s.running, s.waiting)}
         started = [r for r in urgency if r.started]
-        capacity = self.config.capacity_share * self.batch_that_fits(s, started) / s.rates.decode_step_time
+        batch = self.batch_that_fits(s, started)
+        capacity = self.config.capacity_share * batch / s.rates.decode_time(batch)
         self.overloaded = sum(r.read_rate for r in started) > capacity
         members = self.working_set(s, started, capacity, urgency)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
@@ -511,7 +532,7 @@ class TokenFlow(FCFS):
 
     def greedy_fill(self, s: Scheduler, by_urgency: list[Request]) -> set[Request]:
         """The most urgent requests whose KV, and its growth until the next rebalance, fits on the device."""
-        growth = self.config.interval / s.rates.decode_step_time
+        growth = self.config.interval / s.step_time()
         room, keep = s.kv.num_blocks, set()
         for r in by_urgency[:s.max_num_seqs]:
             need = cdiv(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, growth), s.kv.block_size)
@@ -527,7 +548,7 @@ class TokenFlow(FCFS):
         interval, and it would not finish within the interval anyway."""
         left = req.params.max_tokens - req.num_output_tokens
         if not req.started or now - req.last_moved < self.config.interval or \
-                left * s.rates.decode_step_time <= self.config.interval:
+                left * s.step_time() <= self.config.interval:
             return False
         switch = self.switch_time(s, req)
         return req.dry_at(now) - now >= self.lead(switch) + (self.config.mu - 1) * switch
@@ -540,7 +561,7 @@ class TokenFlow(FCFS):
         unsynced = max(0, on_device - req.num_host_tokens // bs)
         if s.swapper and max(on_device, on_host) and unsynced <= s.swapper.host.num_free:  # else: recompute
             io = s.swapper.backlog() + s.swapper.transfer_time(unsynced + max(on_device, on_host))
-        return min(io, recompute) + self.config.interval + s.rates.decode_step_time
+        return min(io, recompute) + self.config.interval + s.step_time()
 
     def victim(self, s: Scheduler, now: float) -> Request:
         """Whom to preempt when the pool runs out: one whose reader can wait through a switch; else one
@@ -559,7 +580,7 @@ class TokenFlow(FCFS):
             return s.max_num_batched_tokens  # readers stall anyway, or decodes only: nothing to limit
         readers = s.running + [r for r in s.waiting if r in self.keep and r.started]  # some resume this step
         slack = min((t for r in readers if r.started and (t := r.dry_at(now) - now) > 0), default=float("inf"))
-        prompt_tokens = max(0.0, slack - 2 * s.rates.decode_step_time) * s.rates.prefill_rate
+        prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
 
     # ------------------------------------------------------------ admission and resumption
@@ -589,7 +610,7 @@ class TokenFlow(FCFS):
         if s.swapper and self.under_pressure(s):
             now = s.clock()
             by_buffer = sorted(s.running, key=lambda r: -r.dry_at(now))
-            max_blocks = int(s.rates.decode_step_time * s.swapper.bandwidth / s.kv.bytes_per_block)
+            max_blocks = int(s.step_time() * s.swapper.bandwidth / s.kv.bytes_per_block)
             s.swapper.write_through(by_buffer, max(1, max_blocks))
 
     def under_pressure(self, s: Scheduler) -> bool:

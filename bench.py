@@ -328,7 +328,8 @@ def engine_factory(args: argparse.Namespace, w: Workload):
         from nanoflow.sim import PRESETS, build_engine
         if args.preset not in PRESETS:
             raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
-        make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config)
+        make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config,
+                                 charge_scheduler=not args.uncharged)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
     options = dict(device=args.device, num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
                    max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
@@ -511,8 +512,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
                 spent += time.perf_counter() - start
                 for req in s.running:  # what the step would have done: one more token each
                     req.num_computed_tokens = req.num_tokens
-                    req.token_ids.append(0)
-                    req.token_times.append(engine.clock())
+                    req.append(0, engine.clock())
                 engine.clock.advance_to(engine.clock() + 0.01)
             rebalance = "-"
             if hasattr(s.policy, "keep"):  # tokenflow: one full rebalance (working set, sort, fill, victims)
@@ -727,6 +727,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"TokenFlow's constants (DESIGN §6; defaults: {TokenFlowConfig.help()})")
     add("--simulate", action="store_true", help="run a simulated engine on a virtual clock (nanoflow/sim.py)")
     add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
+    add("--uncharged", action="store_true", help="--simulate: leave the scheduler's measured CPU time off the "
+        "virtual clock, so that runs repeat exactly")
     add("--calibrate", action="store_true", help="fit a cost model to this engine on this machine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (python -m nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")

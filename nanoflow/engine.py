@@ -137,8 +137,7 @@ class Engine:
         return sample(logits, [r.params for r, _ in samplers], [r.generator for r, _ in samplers])
 
     def _append_token(self, req: Request, token: int) -> None:
-        req.token_ids.append(token)
-        req.token_times.append(self.clock())
+        req.append(token, self.clock())
         eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
         done = eos or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
         detokenizer = self.detokenizers[req.request_id]

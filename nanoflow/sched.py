@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv import KVPool, cdiv
-from .metrics import Reader, RequestRecord
+from .metrics import RequestRecord
 from .swap import Swapper
 
 
@@ -106,7 +106,18 @@ class Request:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        self.reader = Reader(self.read_rate)
+        # when the reader runs out of tokens: 1/r after it reads the newest one (DESIGN §4's pacer). Later
+        # than now if it has a buffer; earlier if it waits for a token already (the earlier, the longer it
+        # has stalled). A request without tokens has been waiting since it arrived.
+        self.dry_at = self.arrival_time
+        for t in self.token_times:
+            self.dry_at = max(t, self.dry_at) + 1.0 / self.read_rate
+
+    def append(self, token: int, now: float) -> None:
+        """A token generated now: its reader reads it at once, or when done with the one before."""
+        self.token_ids.append(token)
+        self.token_times.append(now)
+        self.dry_at = max(now, self.dry_at) + 1.0 / self.read_rate
 
     def record(self) -> RequestRecord:
         return RequestRecord(self.arrival_time, self.token_times, self.read_rate)
@@ -130,15 +141,6 @@ class Request:
     @property
     def started(self) -> bool:
         return bool(self.token_times)
-
-    def dry_at(self, now: float) -> float:
-        """When the reader runs out of tokens to read: later than now if it has a buffer, earlier if it
-        is waiting for a token already (then the longer ago, the longer it has stalled). A request
-        without tokens has been waiting since it arrived."""
-        if not self.token_times:
-            return self.arrival_time
-        buffer = self.reader.buffer(self.token_times, now)
-        return self.reader.last_read + (buffer + 1) / self.read_rate
 
     def stream_text(self) -> str:
         """The output text that is safe to show now: a possible start of a stop string is held back."""
@@ -520,7 +522,7 @@ class TokenFlow(FCFS):
         requests look `hysteresis` more urgent than they are, so that two requests do not swap places."""
         if not req.started:
             return 1, req.arrival_time
-        slack = req.dry_at(now) - now
+        slack = req.dry_at - now
         if req.status == RequestStatus.RUNNING and slack > 0:
             slack *= 1 - self.config.hysteresis
         return (0 if slack < self.lead(self.switch_time(s, req)) else 2), now + slack
@@ -551,7 +553,7 @@ class TokenFlow(FCFS):
                 left * s.step_time() <= self.config.interval:
             return False
         switch = self.switch_time(s, req)
-        return req.dry_at(now) - now >= self.lead(switch) + (self.config.mu - 1) * switch
+        return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch
 
     def switch_time(self, s: Scheduler, req: Request) -> float:
         """Estimated seconds to take req off the device (unless it is off already) and bring it back by
@@ -568,9 +570,9 @@ class TokenFlow(FCFS):
         without a reader yet (the newest); else the reader with the most time left."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
         if can_wait:
-            return max(can_wait, key=lambda r: r.dry_at(now))
+            return max(can_wait, key=lambda r: r.dry_at)
         fresh = [r for r in s.running if not r.started]
-        return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at(now))
+        return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
         """Tokens this step may carry: one per running request, and prompt tokens only as many as fit, with
@@ -579,7 +581,7 @@ class TokenFlow(FCFS):
         if self.overloaded or (not s.waiting and all(r.num_tokens - r.num_computed_tokens <= 1 for r in s.running)):
             return s.max_num_batched_tokens  # readers stall anyway, or decodes only: nothing to limit
         readers = s.running + [r for r in s.waiting if r in self.keep and r.started]  # some resume this step
-        slack = min((t for r in readers if r.started and (t := r.dry_at(now) - now) > 0), default=float("inf"))
+        slack = min((dry for r in readers if (dry := r.dry_at) > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
 
@@ -609,7 +611,7 @@ class TokenFlow(FCFS):
         super().after_step(s)
         if s.swapper and self.under_pressure(s):
             now = s.clock()
-            by_buffer = sorted(s.running, key=lambda r: -r.dry_at(now))
+            by_buffer = sorted(s.running, key=lambda r: -r.dry_at)
             max_blocks = int(s.step_time() * s.swapper.bandwidth / s.kv.bytes_per_block)
             s.swapper.write_through(by_buffer, max(1, max_blocks))
 

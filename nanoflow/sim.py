@@ -17,7 +17,7 @@ import torch
 from .engine import Engine, Request
 from .kv import KVPool
 from .model import ModelConfig
-from .sched import SamplingParams, Scheduler, TokenFlowConfig
+from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
@@ -204,16 +204,18 @@ def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) ->
     return pool
 
 
-def build_engine(preset: str | CostModel, policy: str, read_rate: float = 8.0, num_kv_blocks: int | None = None,
-                 tokenflow: TokenFlowConfig | None = None) -> SimEngine:
+def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float = 8.0,
+                 num_kv_blocks: int | None = None, tokenflow: TokenFlowConfig | None = None,
+                 charge_scheduler: bool = True) -> SimEngine:
+    """A simulated engine; charge_scheduler=False leaves the scheduler's own time out (runs repeat exactly)."""
     cost = PRESETS[preset]() if isinstance(preset, str) else preset
     clock = VirtualClock()
     block_bytes = cost.block_size * cost.kv_bytes_per_token
     device = _pool(num_kv_blocks or cost.num_kv_blocks, cost.block_size, block_bytes, host=False)
     swapper = SimSwapper(device, _pool(cost.num_host_blocks, cost.block_size, block_bytes, host=True), clock,
                          cost.link_bytes_per_s) if cost.num_host_blocks else None
-    scheduler = ChargedScheduler(device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper,
-                                 tokenflow)
+    scheduler = (ChargedScheduler if charge_scheduler else Scheduler)(
+        device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow)
     return SimEngine(cost, scheduler, read_rate)
 
 

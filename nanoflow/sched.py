@@ -465,7 +465,7 @@ class TokenFlow(FCFS):
         batch = self.batch_that_fits(s, started)
         capacity = self.config.capacity_share * batch / s.rates.decode_time(batch)
         self.overloaded = sum(r.read_rate for r in started) > capacity
-        members = self.working_set(s, started, capacity, urgency)
+        members = self.working_set(s, started, capacity, now)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
         return self.victims(s, now, urgency)
 
@@ -497,16 +497,15 @@ class TokenFlow(FCFS):
         size = sum(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, clip) / 2 for r in started)
         return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
 
-    def working_set(self, s: Scheduler, started: list[Request], capacity: float,
-                    urgency: dict[Request, tuple[int, float]]) -> list[Request]:
+    def working_set(self, s: Scheduler, started: list[Request], capacity: float, now: float) -> list[Request]:
         """The started requests, and the newcomers (in arrival order) that the capacity left over by the
         readers and the prefill rate over one interval leave room for; none past capacity, or while a
-        paused reader is about to run dry."""
+        paused reader waits for a token."""
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval  # prompt tokens that can start within the interval
         members = list(started)
-        if self.overloaded or any(r.started and urgency[r][0] == 0 for r in s.waiting):
-            return members  # the readers already in need every token, or the estimates were too kind
+        if self.overloaded or any(r.started and r.dry_at < now for r in s.waiting):
+            return members  # the readers already in need every token, or a paused one stalls: too kind estimates
         for r in s.waiting:
             if r.started:
                 continue

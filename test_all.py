@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -24,11 +25,14 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
-from nanoflow import LLM, SamplingParams, attention  # noqa: E402
+from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
-from nanoflow.model import IncrementalDetokenizer, demo_checkpoint  # noqa: E402
+from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
+from nanoflow.kv import KVPool  # noqa: E402
+from nanoflow.model import IncrementalDetokenizer, demo_checkpoint, sample  # noqa: E402
 from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
+from nanoflow.swap import Swapper  # noqa: E402
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
@@ -237,6 +241,49 @@ def test_eos_stops_unless_ignored(tiny):
     assert llm.generate([prompt], GREEDY)[0].token_ids == free_run
 
 
+def test_a_request_ends_with_length_exactly_at_the_context(tiny):
+    path, _ = tiny
+    llm = LLM(path, device="cpu", num_kv_blocks=128)
+    context = TINY["max_position_embeddings"]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # more than the context leaves room for
+    prompts = [random_prompts(1, TINY["vocab_size"], seed=14, lengths=(n, n))[0] for n in (context - 12, context - 1)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [12, 1]  # prompt + output fill the context, not a token more
+    assert [o.finish_reason for o in outs] == ["length"] * 2
+
+
+SAMPLER_PROBS = [0.04, 0.4, 0.1, 0.25, 0.06, 0.15]  # a vocabulary of 6, not sorted: order must not matter
+
+
+def expected_probs(temperature: float, top_k: int, top_p: float) -> list[float]:
+    """The sampling distribution by definition (vLLM's): p^(1/T) renormalized, the top_k likeliest kept, then
+    the smallest set of those whose mass reaches top_p."""
+    w = [p ** (1 / temperature) for p in SAMPLER_PROBS]
+    order = sorted(range(len(w)), key=lambda i: -w[i])[:top_k if top_k > 0 else None]
+    total, kept, mass = sum(w[i] for i in order), [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += w[i] / total
+    return [w[i] / sum(w[j] for j in kept) if i in kept else 0.0 for i in range(len(w))]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 3, 1.0),  # 0.4, 0.25, 0.15 renormalized
+    (1.0, -1, 0.6),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
+    (0.5, -1, 1.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
+    (2.0, 4, 0.8)])  # sqrt(p), the top 4, then the top 3 of those (0.83 of their mass lies before the 4th)
+def test_sampler_draws_from_the_right_distribution(temperature, top_k, top_p):
+    n = 4000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = torch.tensor(SAMPLER_PROBS).log().expand(n, -1)
+    draws = sample(logits, [params] * n, [torch.Generator().manual_seed(0)] * n)
+    freq = [draws.count(i) / n for i in range(len(SAMPLER_PROBS))]
+    for f, p in zip(freq, expected_probs(temperature, top_k, top_p)):
+        assert f == 0 if p == 0 else abs(f - p) < 0.03, (freq, expected_probs(temperature, top_k, top_p))
+
+
 # ---------------------------------------------------------------- tokenizer, detokenizer, chat template
 
 
@@ -310,18 +357,40 @@ def test_demo_chat_stops_at_end_of_turn(demo):
     assert out.finish_reason == "stop" and "Paris" in out.text and "<|im_end|>" not in out.text
 
 
+@pytest.mark.parametrize("text", ["emoji 👩‍💻🇫🇷😀🎉 and 日本語の文章, 한국어", "combining e\u0301 n\u0303 z\u0308\u0301 Ω≈ç√"])
+def test_demo_detokenizer_streams_characters_split_across_tokens(demo, text):
+    """SmolLM2's byte-level BPE spreads these characters' bytes over tokens (a token may hold a space and the first
+    bytes of an emoji): the stream holds a piece back until its characters are whole, then sends all of it."""
+    tok = demo.tokenizer
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and sum("\ufffd" in tok.decode([i]) for i in ids) >= 5  # the test has teeth
+    detok, streamed = IncrementalDetokenizer(tok), ""
+    for i in range(1, len(ids) + 1):  # one token per step, as the engine feeds it
+        streamed += detok.step(ids[:i])
+        so_far = tok.decode(ids[:i])  # a split character shows as U+FFFD at its end
+        assert so_far.rstrip("\ufffd").startswith(streamed) and (streamed == so_far or "\ufffd" in so_far)
+    assert streamed == text and detok.flush(ids) == ""
+    for cut in range(1, len(ids)):  # cut at every position: the request goes on in one more step, or ends there
+        going_on, ending = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+        assert going_on.step(ids[:cut]) + going_on.step(ids) == text and going_on.flush(ids) == ""
+        assert ending.step(ids[:cut]) + ending.flush(ids[:cut]) == tok.decode(ids[:cut])  # a split character too
+
+
 # ---------------------------------------------------------------- Triton kernels against their torch references
 
 INTERPRET = os.environ["TRITON_INTERPRET"] != "0"
 DEVICE = "cpu" if INTERPRET else "cuda"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max|a - b| / max|b|
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max|a - b| / max|b| of the worst row
 NUM_LAYERS, LAYER = 2, 1  # the kernels see layer 1's views of a two-layer pool
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                                 reason="needs a CUDA device (and TRITON_INTERPRET unset or 0)")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+    """max|a - b| / max|b| per row (a query token, or a decode sequence), worst row: a long sequence's outputs are
+    averages of many values, small beside a short one's, and its errors must not hide behind them."""
+    a, b = a.float().flatten(1), b.float().flatten(1)
+    return ((a - b).abs().amax(1) / b.abs().amax(1)).max().item()
 
 
 @pytest.fixture
@@ -414,6 +483,15 @@ def test_extend(block_size, group, head_dim, dtype, nan_empty):
     assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
 
 
+def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
+    """Chunks longer than EXTEND_BLOCK_M on prefixes longer than both tiles: each query tile's key range ends
+    at its own last position, far past the chunk's length."""
+    chunks = [(100, 200), (2 * attention.EXTEND_BLOCK_M, 129), (attention.EXTEND_BLOCK_M + 1, 3)]
+    q, pool, meta = make_batch([n for n, _ in chunks], [n + p for n, p in chunks], 0, 16, 2, 2, 64, torch.float32)
+    out = attention.paged_attention_triton(q, *kv_views(pool), meta, 0.125)
+    assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, 0.125)) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_through_dispatchers(dtype, monkeypatch, nan_empty):
     """One layer of a mixed step (store the new K/V, then attend) with each backend, from the same pool."""
@@ -475,6 +553,18 @@ def test_cuda_llama_decode_splits(batch, context):
     q, pool, meta = make_batch([1] * batch, seq_lens, batch, 16, 8, 4, 128, torch.bfloat16)
     args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 128 ** -0.5)
     assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 2e-2
+
+
+def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
+    """With torch.empty handing out NaN (weights before loading, outputs, host KV, staging), decodes batched with
+    chunked prefills still give transformers' tokens: padding and unwritten slots are never read as numbers."""
+    path, hf = tiny
+    prompts = random_prompts(3, TINY["vocab_size"], seed=16, lengths=(1, 40))
+    llm = LLM(path, device="cpu", num_kv_blocks=32, max_num_batched_tokens=24, host_kv_gb=0.01)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
 
 
 def test_triton_engine_matches_torch(tiny, monkeypatch):
@@ -607,6 +697,55 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     assert [r.finish_reason for r in reqs] == ["abort"] * 3
 
 
+def test_swap_round_trip_across_staging_chunks(monkeypatch):
+    """Evict and load copies of scattered blocks in chunks of 3 (the staging buffers' size): every block lands in
+    its own slot of the other pool, and no other block of either pool is touched."""
+    shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
+    block_bytes = 2 * 2 * 4 * 2 * 8 * 4  # layers x (K, V) x block_size x kv_heads x head_dim x 4 bytes
+    monkeypatch.setattr("nanoflow.swap.STAGING_BYTES", 3 * block_bytes)
+    device = KVPool(24, *shape, torch.float32, torch.device("cpu"))
+    host = KVPool(20, *shape, torch.float32, torch.device("cpu"), host=True)
+    swapper = Swapper(device, host)
+    assert swapper.chunk_blocks == 3
+    rng = random.Random(0)
+    for pool in (device, host):
+        pool.kv_cache.copy_(torch.randn(pool.kv_cache.shape))
+        rng.shuffle(pool.free_blocks)  # blocks far apart and out of order on both sides
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0, num_computed_tokens=43,
+                                load_event=None)
+    assert device.grow(req.block_table, 43)  # 11 blocks, the last one partly filled
+    kv = device.kv_cache[req.block_table].clone()
+    host_before = host.kv_cache.clone()
+    swapper.write_through([req], max_blocks=5)  # blocks 0-4 (chunks of 3 + 2), then evict copies the tail 5-10
+    assert swapper.evict(req) and not req.block_table and len(req.host_block_table) == 11
+    for i, block in enumerate(req.host_block_table):
+        assert torch.equal(host.kv_cache[block], kv[i]), f"block {i} of the request"
+    others = sorted(set(range(host.num_blocks)) - set(req.host_block_table))
+    assert torch.equal(host.kv_cache[others], host_before[others])
+    device.kv_cache.fill_(float("nan"))
+    rng.shuffle(device.free_blocks)
+    assert swapper.load(req) and req.num_computed_tokens == 43 and len(req.block_table) == 11
+    for i, block in enumerate(req.block_table):
+        assert torch.equal(device.kv_cache[block], kv[i]), f"block {i} of the request"
+    assert device.kv_cache.isnan().sum() == (device.num_blocks - 11) * device.kv_cache[0].numel()
+
+
+def test_kv_pool_hands_out_each_block_once():
+    """The allocator's books: the blocks held and the free list partition the pool after every grow and free."""
+    pool, rng, tables = KVPool(10, 1, 4, 1, 8, torch.float32, torch.device("cpu")), random.Random(1), [[], [], [], []]
+    for _ in range(200):
+        table = rng.choice(tables)
+        before, want = list(table), 4 * len(table) + rng.randint(1, 9)
+        if rng.random() < 0.3:
+            pool.free(table)
+        elif pool.grow(table, want):
+            assert table[:len(before)] == before and len(table) == -(-want // 4)
+        else:
+            assert table == before  # a pool too short takes nothing
+        held = [b for t in tables for b in t]
+        assert sorted(held + list(pool.free_blocks)) == list(range(10)) and pool.num_free == 10 - len(held)
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
@@ -701,6 +840,10 @@ def sse(resp):
 def scrape(server) -> dict[str, float]:
     status, _, text = call(server, "GET", "/metrics")
     assert status == 200
+    return prometheus_values(text)
+
+
+def prometheus_values(text: str) -> dict[str, float]:
     return {k: float(v) for line in text.splitlines() if line and not line.startswith("#")
             for k, v in [line.rsplit(" ", 1)]}
 
@@ -754,7 +897,7 @@ def test_stream_arrives_token_by_token_and_matches_the_whole_answer(server, monk
 
 
 def test_openai_client(server):
-    openai = pytest.importorskip("openai")
+    import openai  # in the test extra: a missing client fails the test rather than skipping it
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["tiny"]
     extra = {"read_rate": 20.0, "ignore_eos": True}
@@ -781,17 +924,24 @@ def test_openai_client(server):
 
 
 def test_32_concurrent_streams(server):
-    def one(i: int) -> tuple[str, int, str]:
+    def body(i: int) -> dict:
         prompt = f"once upon a time {i}" if i % 2 else [5 + i, 17, 42 + i]  # text: tokenized on 16 threads at once
-        _, resp = open_stream(server, "/v1/completions", dict(prompt=prompt, max_tokens=16, seed=i, ignore_eos=True,
-                                                              stream_options={"include_usage": True}))
+        return dict(prompt=prompt, max_tokens=16, seed=i, ignore_eos=True)
+
+    def one(i: int) -> tuple[str, int, str]:
+        _, resp = open_stream(server, "/v1/completions", dict(body(i), stream_options={"include_usage": True}))
         chunks = [c for _, c in sse(resp)]
         reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-2]]
+        texts.append((i, "".join(c["choices"][0]["text"] for c in chunks[:-2])))
         return reasons[-1], chunks[-2]["usage"]["completion_tokens"], chunks[-1]
 
+    texts = []
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
     assert results == [("length", 16, "[DONE]")] * 32
+    # each stream carried its own answer: the same request alone, not streamed (seeded, so reproducible)
+    alone = {i: call(server, "POST", "/v1/completions", body(i))[2]["choices"][0]["text"] for i in range(32)}
+    assert dict(texts) == alone and len(set(alone.values())) == 32
     assert all_free(server)
 
 
@@ -855,7 +1005,8 @@ def test_disconnect_aborts_the_request_within_a_step(server, monkeypatch):
     events = sse(resp)
     for _ in range(4):
         next(events)
-    assert scrape(server)["nanoflow_running"] == 1
+    metrics = scrape(server)
+    assert metrics["nanoflow_running"] == 1 and metrics["nanoflow_queued_requests"] == 0  # it has tokens: not queued
     hang_up(sock, resp)
     wait_for(lambda: all_free(server), timeout=1.0)
     assert scrape(server)['nanoflow_requests_total{outcome="abort"}'] == aborted + 1
@@ -894,6 +1045,8 @@ def test_an_engine_failure_fails_its_requests_not_the_server(server, monkeypatch
     step = server.engine.step
 
     def broken():
+        if not server.engine.has_unfinished():  # a step for a late abort of the previous test's request
+            return step()
         monkeypatch.setattr(server.engine, "step", step)
         raise RuntimeError("injected")
 
@@ -902,6 +1055,60 @@ def test_an_engine_failure_fails_its_requests_not_the_server(server, monkeypatch
     assert status == 500 and err["error"]["type"] == "server_error"
     assert call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})[0] == 200
     assert all_free(server)
+
+
+def test_openai_prompt_forms_reach_the_engine_alike(server, monkeypatch):
+    """What OpenAI clients send: a batch of one prompt, token ids, chat content as a list of text parts."""
+    got, add = [], server.engine.add_request
+    monkeypatch.setattr(server.engine, "add_request", lambda ids, *args: (got.append(ids), add(ids, *args))[1])
+    ids = server.engine.tokenizer.encode("once upon a time")
+    for prompt in ("once upon a time", ["once upon a time"], ids, [ids]):
+        assert call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=2))[0] == 200
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    for content in ("hello\nworld", parts):
+        assert call(server, "POST", CHAT, dict(messages=[{"role": "user", "content": content}], max_tokens=2))[0] == 200
+    assert got[:4] == [ids] * 4 and got[4] == got[5]
+
+
+def test_every_sampling_field_reaches_the_engine(server, monkeypatch):
+    """A field the server dropped would quietly sample otherwise than the client asked."""
+    got, add = [], server.engine.add_request
+    monkeypatch.setattr(server.engine, "add_request",
+                        lambda ids, params, *args: (got.append(params), add(ids, params, *args))[1])
+    fields = dict(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop=["zz"], ignore_eos=True, read_rate=12.5)
+    assert call(server, "POST", "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, **fields))[0] == 200
+    assert call(server, "POST", CHAT, dict(messages=HELLO, max_completion_tokens=4, **fields))[0] == 200
+    assert got == [SamplingParams(max_tokens=5, **fields), SamplingParams(max_tokens=4, **fields)]
+
+
+def test_server_fills_the_context_and_no_more(server):
+    """By default an answer may run to the end of the context (as OpenAI's and vLLM's do), and never past it."""
+    prompt = [5] * (server.engine.max_model_len - 3)
+    status, _, whole = call(server, "POST", "/v1/completions", dict(prompt=prompt, ignore_eos=True))
+    assert status == 200 and whole["usage"]["completion_tokens"] == 3  # max_tokens defaults to the room left
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=3, ignore_eos=True))[0] == 200
+    status, _, err = call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=4))
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+
+
+def test_metrics_histograms_by_hand():
+    """/metrics' histograms as Prometheus reads them, for one request whose numbers are known."""
+    metrics = serve.Metrics()
+    metrics.finished("length", 7, RequestRecord(0.0, [0.25, 0.375, 1.375], 8.0), rebuffer=0.5)  # gaps 0.125, 1.0
+    got = prometheus_values(metrics.render({}, num_queued=0))
+    # cumulative counts per upper bound; a value equal to a bound counts in it (Prometheus' `le`)
+    ttft = {"0.1": 0, "0.25": 1, "+Inf": 1}
+    tbt = {"0.1": 0, "0.2": 1, "0.5": 1, "1.0": 2, "2.5": 2, "+Inf": 2}
+    rebuffer = {"0.25": 0, "0.5": 1, "+Inf": 1}
+    for name, buckets, total in [("time_to_first_token", ttft, 0.25), ("time_between_tokens", tbt, 1.125),
+                                 ("rebuffer", rebuffer, 0.5)]:
+        for le, count in buckets.items():
+            assert got[f'nanoflow_{name}_seconds_bucket{{le="{le}"}}'] == count, (name, le)
+        assert got[f"nanoflow_{name}_seconds_sum"] == total
+        assert got[f"nanoflow_{name}_seconds_count"] == buckets["+Inf"]
+    assert got['nanoflow_tokens_total{kind="prompt"}'] == 7 and got['nanoflow_tokens_total{kind="generation"}'] == 3
+    assert got['nanoflow_requests_total{outcome="length"}'] == 1
 
 
 def test_api_key(server, monkeypatch):
@@ -924,6 +1131,45 @@ def test_help_explains_every_option(capsys):
     for flag in ("--ckpt", "--host", "--port", "--policy", "--device", "--dtype", "--num-kv-blocks", "--host-kv-gb",
                  "--read-rate", "--api-key", "--max-waiting"):
         assert flag in text
+
+
+def test_command_line_reaches_the_engine(ckpt, monkeypatch):
+    """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main() builds."""
+    def built_by(*flags: str) -> dict:
+        built = {}
+
+        def capture(llm, host, port, **kwargs):
+            built.update(engine=llm.engine, host=host, port=port, **kwargs)
+            raise KeyboardInterrupt  # stop before serving
+
+        monkeypatch.setattr(serve, "make_server", capture)
+        with pytest.raises(KeyboardInterrupt):
+            serve.main(["--ckpt", str(ckpt), "--device", "cpu", *flags])
+        return built
+
+    built = built_by("--host", "127.0.0.2", "--port", "8123", "--policy", "fcfs", "--dtype", "bfloat16",
+                     "--num-kv-blocks", "37", "--host-kv-gb", "0.001", "--read-rate", "3.5", "--api-key", "sekrit",
+                     "--max-waiting", "9")
+    engine = built.pop("engine")
+    block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
+    assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
+    assert engine.kv.kv_cache.device.type == "cpu" and engine.model.model.norm.weight.dtype == torch.bfloat16
+    assert engine.scheduler.swapper.host.num_blocks == int(0.001 * (1 << 30)) // block_bytes
+    assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5
+    assert built == dict(host="127.0.0.2", port=8123, model=ckpt.name, api_key="sekrit", max_waiting=9)
+    policy = built_by("--tokenflow", "interval=0.7,mu=3")["engine"].scheduler.policy  # tokenflow is the default
+    assert policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
+
+
+def test_read_rates_are_clamped(ckpt):
+    """A declared read rate buys priority under tokenflow: it is clamped, both ways, and so is the default."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=16, read_rate=1e6)
+    rates = {}
+    for declared in (1e6, 1e-3, 5.0, None):
+        req = llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, read_rate=declared))
+        rates[declared] = (req.read_rate, req.record().rate)
+        llm.engine.abort(req.request_id)
+    assert rates == {1e6: (READ_RATE_MAX,) * 2, 1e-3: (READ_RATE_MIN,) * 2, 5.0: (5.0,) * 2, None: (READ_RATE_MAX,) * 2}
 
 
 def test_sigterm_ends_streams_and_exits_0(ckpt):
@@ -973,6 +1219,38 @@ def test_metrics_by_hand():
     s = summarize([RequestRecord(0.0, times, 10.0), RequestRecord(0.5, [1.0, 1.1], 10.0)], makespan=2.0)
     assert s["ttft_mean"] == pytest.approx(0.75) and s["throughput"] == pytest.approx(3.0)
     assert s["rebuffer_mean"] == pytest.approx(0.35) and s["completed"] == s["requests"] == 2
+
+
+def test_summarize_every_key_by_hand():
+    """Readers at 4 tok/s (one token every 0.25 s); times are multiples of 1/8, so the arithmetic is exact."""
+    a = RequestRecord(0.0, [1.0, 1.5, 1.625, 3.0], 4.0)  # read at 1.0, 1.5 (due 1.25), 1.75 (made 1.625), 3.0 (due 2.0)
+    b = RequestRecord(0.5, [1.0] * 8, 4.0)  # 8 tokens at once, read at 1.0, 1.25, ..., 2.75
+    s = summarize([a, b, RequestRecord(0.0, [], 4.0)], makespan=4.0)  # the third has no token yet
+    # tbts: a's 0.5, 0.125, 1.375 and b's seven 0s; sorted, p99 sits at 0.99 * 9 = 8.91: 0.5 + 0.91 * (1.375 - 0.5)
+    # rebuffer: a stalls 1.5 - 1.25 (the first gap counts) and 3.0 - 2.0; b never stalls
+    # QoE: a's ideal reads 1.3 + 0.25 i; only its last is late, by 3.0 - 2.05, out of its reads' 1 + 1.5 + 1.75 + 3
+    # seconds since arrival; b reads everything before its ideal 1.8 + 0.25 i
+    # effective weights (L = 4: 1 while buffer <= 0.4; L = 8: 1 while <= 0.8, then 2 - 10 B / 8, 0 from 1.6):
+    # a finds its earlier tokens all read when each is made (4); b's first two find 0 unread, its third 1 (0.75)
+    assert s == {
+        "ttft_mean": pytest.approx((1.0 + 0.5) / 2), "ttft_p50": pytest.approx(0.75),
+        "ttft_p99": pytest.approx(0.5 + 0.99 * (1.0 - 0.5)), "tbt_p99": pytest.approx(0.5 + 0.91 * 0.875),
+        "rebuffer_mean": pytest.approx((0.25 + 1.0 + 0) / 2), "rebuffer_p99": pytest.approx(0.99 * 1.25),
+        "qoe_mean": pytest.approx((1 - 0.95 / (1.0 + 1.5 + 1.75 + 3.0) + 1.0) / 2), "qoe_good_share": 0.5,
+        "effective_throughput": pytest.approx((4 + 1 + 1 + 0.75) / 4.0), "throughput": pytest.approx(12 / 4.0),
+        "makespan": 4.0, "requests": 3, "completed": 2}
+
+
+def test_scheduler_reader_agrees_with_the_metrics():
+    """When the scheduler thinks a reader runs dry is when the metrics' pacer wants its next token (DESIGN §4)."""
+    rng = random.Random(2)
+    for _ in range(20):
+        times, rate = sorted(rng.uniform(0, 5) for _ in range(rng.randint(1, 30))), rng.uniform(0.5, 20)
+        req = Request([1], SamplingParams(), read_rate=rate)
+        for i, t in enumerate(times):
+            req.append(7, t)
+            assert req.dry_at == read_times(times[:i + 1], rate)[-1] + 1 / rate
+        assert Request([1], SamplingParams(), read_rate=rate, token_times=times).dry_at == req.dry_at
 
 
 def drive(engine, arrivals: list[tuple[float, int, int, float]], max_steps: int = 200_000) -> list:
@@ -1251,7 +1529,6 @@ def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
 # Each mode runs the same few short requests on the tiny checkpoint (or the CPU preset) and must print
 # the side-by-side table and write JSON whose numbers are finite and consistent. No timing is asserted.
 
-import importlib.util  # noqa: E402
 import math  # noqa: E402
 
 import bench  # noqa: E402
@@ -1281,12 +1558,11 @@ def test_bench_in_process(ckpt, tmp_path, capsys):
 
 
 def test_bench_simulate_with_plot(tmp_path, capsys):
-    path, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    path, png = tmp_path / "sim.json", tmp_path / "sim.png"  # matplotlib is in the test extra: no plot is a failure
     bench.main(["--simulate", "--preset", "cpu-smollm2", *BENCH_WORKLOAD, "--read-rate", "15:0.4,20:0.6",
-                "--json", str(path), *plot])
+                "--json", str(path), "--plot", str(png)])
     check_bench_output(capsys.readouterr().out, path, ["fcfs", "tokenflow"])
-    assert not plot or png.read_bytes().startswith(b"\x89PNG")
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_bench_http(ckpt, tmp_path, capsys):

@@ -430,6 +430,10 @@ class TokenFlowConfig:
         return ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
 
 
+ARRIVAL_REBALANCE_SHARE = 0.1  # an arrival brings the next rebalance forward, to no sooner than this share of
+# an interval after the last: at 20 arrivals/s a rebalance per arrival would cost more than it decides
+
+
 class TokenFlow(FCFS):
     """Buffer-aware preemption on top of the baseline.
 
@@ -456,8 +460,9 @@ class TokenFlow(FCFS):
 
     def preemptions(self, s: Scheduler, now: float) -> list[Request]:
         """The running requests that leave the device now to make room for more urgent ones."""
-        due = now - self.last_rebalance >= self.config.interval or s.last_arrival > self.last_rebalance
-        if not s.waiting or not due:
+        since = now - self.last_rebalance
+        arrived = s.last_arrival > self.last_rebalance and since >= self.config.interval * ARRIVAL_REBALANCE_SHARE
+        if not s.waiting or not (since >= self.config.interval or arrived):
             return []
         self.last_rebalance = now
         urgency = {r: self.urgency(s, r, now) for r in itertools.chain(s.running, s.waiting)}
@@ -465,7 +470,7 @@ class TokenFlow(FCFS):
         batch = self.batch_that_fits(s, started)
         capacity = self.config.capacity_share * batch / s.rates.decode_time(batch)
         self.overloaded = sum(r.read_rate for r in started) > capacity
-        members = self.working_set(s, started, capacity, now)
+        members = self.working_set(s, started, capacity, urgency)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
         return self.victims(s, now, urgency)
 
@@ -497,15 +502,16 @@ class TokenFlow(FCFS):
         size = sum(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, clip) / 2 for r in started)
         return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
 
-    def working_set(self, s: Scheduler, started: list[Request], capacity: float, now: float) -> list[Request]:
+    def working_set(self, s: Scheduler, started: list[Request], capacity: float,
+                    urgency: dict[Request, tuple[int, float]]) -> list[Request]:
         """The started requests, and the newcomers (in arrival order) that the capacity left over by the
         readers and the prefill rate over one interval leave room for; none past capacity, or while a
-        paused reader waits for a token."""
+        paused reader is about to run dry (the estimates were too kind)."""
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval  # prompt tokens that can start within the interval
         members = list(started)
-        if self.overloaded or any(r.started and r.dry_at < now for r in s.waiting):
-            return members  # the readers already in need every token, or a paused one stalls: too kind estimates
+        if self.overloaded or any(urgency[r][0] == 0 for r in s.waiting if r.started):
+            return members  # the readers already in need every token, or a paused one is about to run dry
         for r in s.waiting:
             if r.started:
                 continue

@@ -2,7 +2,7 @@
 
 `python bench.py --burst 64` builds one workload from a seed (arrival times, prompt and output
 lengths, each request's reading rate), runs it on the real engine in this process once per policy,
-and prints TTFT, stalls, QoE and throughput of each (DESIGN §5). The same driver runs a simulated
+and prints TTFT, stalls, QoE and throughput of each (docs/scheduling.md). The same driver runs a simulated
 engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload through a
 running server and times tokens at the client. `--kernels` and `--transfers` time the GPU parts;
 `--vs-transformers` compares offline generation with HuggingFace transformers.
@@ -724,7 +724,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: %(default)s)")
     add("--policies", default="fcfs,tokenflow", help="run one after the other (default: %(default)s)")
     add("--tokenflow", default="", metavar="KEY=VALUE,...",
-        help=f"TokenFlow's constants (DESIGN §6; defaults: {TokenFlowConfig.help()})")
+        help=f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})")
     add("--simulate", action="store_true", help="run a simulated engine on a virtual clock (nanoflow/sim.py)")
     add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: leave the scheduler's measured CPU time off the "

@@ -1195,7 +1195,7 @@ def test_sigterm_ends_streams_and_exits_0(ckpt):
 
 # ---------------------------------------------------------------- readers, metrics, the tokenflow policy, the simulator
 
-from nanoflow.metrics import (Reader, RequestRecord, effective_weights, qoe, read_times,  # noqa: E402
+from nanoflow.metrics import (RequestRecord, effective_weights, qoe, read_times,  # noqa: E402
                               rebuffer_time, summarize)
 from nanoflow.sched import Request, RequestStatus, TokenFlowConfig  # noqa: E402
 from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
@@ -1211,8 +1211,10 @@ def test_metrics_by_hand():
     assert read_times(times, 10.0) == pytest.approx([1.0, 1.1, 1.2, 2.0])
     assert rebuffer_time(times, 10.0) == pytest.approx(0.7)  # the 4th token was due at 1.3, came at 2.0
     assert qoe(0.0, times, 10.0) == pytest.approx(1 - 0.4 / 5.3)  # late only the 4th: 2.0 vs ideal 1.3 + 0.3
-    reader = Reader(10.0)
-    assert reader.buffer(times[:3], 1.15) == 1 and reader.buffer(times, 2.5) == 0
+    req = Request([1], SamplingParams(), read_rate=10.0)
+    for t in times:  # its reader runs dry 0.1 s after it reads the newest token: at 1.0, 1.1, 1.2, then 2.0
+        req.append(0, t)
+        assert req.dry_at == pytest.approx(t + 0.1)
     # L = 20 tokens all generated at once, read at 1 token/s: token j finds j - 1 tokens unread
     weights = effective_weights([0.001 * j for j in range(20)], 1.0, 20)
     assert (weights[2], weights[4], weights[6]) == (1.0, pytest.approx(0.5), 0.0)  # buffer 5%, 15%, 25% of L
@@ -1242,7 +1244,7 @@ def test_summarize_every_key_by_hand():
 
 
 def test_scheduler_reader_agrees_with_the_metrics():
-    """When the scheduler thinks a reader runs dry is when the metrics' pacer wants its next token (DESIGN §4)."""
+    """When the scheduler thinks a reader runs dry is when the metrics' pacer wants its next token (docs/scheduling.md)."""
     rng = random.Random(2)
     for _ in range(20):
         times, rate = sorted(rng.uniform(0, 5) for _ in range(rng.randint(1, 30))), rng.uniform(0.5, 20)

@@ -69,7 +69,7 @@ def _jit(fn):
 
 
 def _interpreting() -> bool:
-    """Triton's interpreter multiplies bf16 wrongly (DESIGN 10b): the kernels then upcast tl.dot operands."""
+    """Triton's interpreter multiplies bf16 wrongly: the kernels then upcast tl.dot operands."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -1,9 +1,9 @@
 """The reader model and the metrics, one implementation for the scheduler, the bench and the server.
 
 A request's reader starts at its first token and reads one token every 1/r seconds, but never a
-token that does not exist yet (DESIGN §4): `t_read[j] = max(t_gen[j], t_read[j-1] + 1/r)`. Its buffer
+token that does not exist yet (docs/scheduling.md): `t_read[j] = max(t_gen[j], t_read[j-1] + 1/r)`. Its buffer
 is what was generated and not yet read. Everything below is a function of the arrival time, the
-generation time of each token and r (DESIGN §5).
+generation time of each token and r.
 """
 
 from dataclasses import dataclass
@@ -20,27 +20,6 @@ def read_times(token_times: list[float], rate: float) -> list[float]:
         t = max(g, t + 1.0 / rate)
         out.append(t)
     return out
-
-
-class Reader:
-    """The pacer run online: how many tokens a request's reader has consumed by `now`."""
-
-    def __init__(self, rate: float):
-        self.rate = rate
-        self.num_read = 0
-        self.last_read = float("-inf")
-
-    def consumed(self, token_times: list[float], now: float) -> int:
-        while self.num_read < len(token_times):
-            t = max(token_times[self.num_read], self.last_read + 1.0 / self.rate)
-            if t > now:
-                break
-            self.num_read, self.last_read = self.num_read + 1, t
-        return self.num_read
-
-    def buffer(self, token_times: list[float], now: float) -> int:
-        """Generated but unread tokens: the slack before this reader stalls."""
-        return len(token_times) - self.consumed(token_times, now)
 
 
 def rebuffer_time(token_times: list[float], rate: float) -> float:

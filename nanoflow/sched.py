@@ -106,7 +106,7 @@ class Request:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        # when the reader runs out of tokens: 1/r after it reads the newest one (DESIGN §4's pacer). Later
+        # when the reader runs out of tokens: 1/r after it reads the newest one (docs/scheduling.md). Later
         # than now if it has a buffer; earlier if it waits for a token already (the earlier, the longer it
         # has stalled). A request without tokens has been waiting since it arrived.
         self.dry_at = self.arrival_time
@@ -408,7 +408,7 @@ class FCFS:
 
 @dataclass
 class TokenFlowConfig:
-    """TokenFlow's constants (DESIGN §6); each appears in --help of the server and the bench."""
+    """TokenFlow's constants (docs/scheduling.md); each appears in --help of the server and the bench."""
 
     interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s)
     mu: float = 2.0  # safety factor: a buffer must cover mu switches (and an interval) before its request is preempted

@@ -1,6 +1,6 @@
 """The HTTP front door: an OpenAI-compatible server on the standard library's `http.server`.
 
-Where it sits (DESIGN §2, §9): a connection thread parses and validates a request, applies the chat
+Where it sits: a connection thread parses and validates a request, applies the chat
 template, tokenizes, and hands the prompt to the engine thread through a thread-safe inbox. The
 engine thread is the only one that touches the Engine: it adds and aborts requests, runs
 `engine.step()`, and after every step puts each request's new text on that request's own queue.
@@ -54,7 +54,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo
                "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
                "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up (DESIGN §12)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow")  # CLI flags for LLM(...)
 
@@ -244,7 +244,7 @@ class Metrics:
         self.tokens = {"prompt": 0, "generation": 0}
         self.ttft = Histogram("nanoflow_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.tbt = Histogram("nanoflow_time_between_tokens_seconds", "Gap between consecutive tokens.", TBT_BUCKETS)
-        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled (DESIGN §4).",
+        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled (docs/scheduling.md).",
                                   TTFT_BUCKETS)
 
     def rejected(self, code: str) -> None:
@@ -661,7 +661,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "
                    "no read_rate (default: the engine's, 8)")
     p.add_argument("--tokenflow", type=TokenFlowConfig.parse, metavar="KEY=VALUE,...",
-                   help=f"TokenFlow's constants (DESIGN §6; defaults: {TokenFlowConfig.help()})")
+                   help=f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every path but /health")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests waiting for their "
                    "first token beyond which new ones get 503 with Retry-After (default: %(default)s)")

@@ -23,6 +23,7 @@ import enum
 import itertools
 import math
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,9 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its reader still reading what it has
     FINISHED = "finished"
+
+
+WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 _request_counter = itertools.count()
@@ -366,7 +370,8 @@ class FCFS:
         """Waiting requests in queue order while the estimate says memory lasts; the first that does not
         fit stops the rest."""
         reserved = None  # summed over the running requests only when someone might fit
-        for req in self.admission_queue(s, now):
+        seats = s.max_num_seqs - len(s.running)
+        for req in list(itertools.islice(self.admission_queue(s, now), max(0, seats))):  # a copy: start() edits s.waiting
             if budget == 0 or len(s.running) >= s.max_num_seqs:
                 return
             need = self.future_tokens(s, req)
@@ -378,8 +383,8 @@ class FCFS:
             budget = s.start(req, scheduled, budget, now)
             reserved += self.future_tokens(s, req)  # less what it holds now
 
-    def admission_queue(self, s: Scheduler, now: float) -> list[Request]:
-        return list(s.waiting)
+    def admission_queue(self, s: Scheduler, now: float) -> Iterable[Request]:
+        return iter(s.waiting)
 
     def future_tokens(self, s: Scheduler, req: Request) -> int:
         """Tokens of KV the estimate keeps free for req: the rest of its known tokens, and a share of
@@ -454,6 +459,7 @@ class TokenFlow(FCFS):
         self.config = config or TokenFlowConfig()
         self.last_rebalance = float("-inf")
         self.keep: set[Request] = set()
+        self.joining: list[Request] = []  # the keep-set's waiting members at the last rebalance, most urgent first
         self.overloaded = False  # the started readers alone ask for more tokens/s than the engine makes
 
     # ------------------------------------------------------------ when and whom to preempt
@@ -472,6 +478,7 @@ class TokenFlow(FCFS):
         self.overloaded = sum(r.read_rate for r in started) > capacity
         members = self.working_set(s, started, capacity, urgency)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
+        self.joining = sorted((r for r in s.waiting if r in self.keep), key=urgency.get)
         return self.victims(s, now, urgency)
 
     def victims(self, s: Scheduler, now: float, urgency: dict[Request, tuple[int, float]]) -> list[Request]:
@@ -585,7 +592,7 @@ class TokenFlow(FCFS):
         reader that waits already is not helped by this; past capacity, the baseline's budget."""
         if self.overloaded or (not s.waiting and all(r.num_tokens - r.num_computed_tokens <= 1 for r in s.running)):
             return s.max_num_batched_tokens  # readers stall anyway, or decodes only: nothing to limit
-        readers = s.running + [r for r in s.waiting if r in self.keep and r.started]  # some resume this step
+        readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]  # may resume now
         slack = min((dry for r in readers if (dry := r.dry_at) > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
@@ -594,17 +601,16 @@ class TokenFlow(FCFS):
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
         """The keep-set's waiting members first, most urgent first; the baseline's admission once none wait."""
-        members = sorted((r for r in s.waiting if r in self.keep), key=lambda r: self.urgency(s, r, now))
-        for req in members:  # the rebalance made room for them: their KV now, their growth for an interval
+        for req in [r for r in self.joining if r.status in WAITING_STATES]:  # the rebalance made room for them
             if budget == 0 or len(s.running) >= s.max_num_seqs or s.blocks_to_start(req) > s.kv.num_free:
                 return  # while a member waits for memory, nobody outside the keep-set may take it
             budget = s.start(req, scheduled, budget, now)
         super().admit(s, scheduled, budget, now)
 
-    def admission_queue(self, s: Scheduler, now: float) -> list[Request]:
+    def admission_queue(self, s: Scheduler, now: float) -> Iterable[Request]:
         """The baseline's queue, less those preempted within the last interval: what rebalancing took
         off the device stays off until the next rebalance says otherwise."""
-        return [r for r in s.waiting if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval]
+        return (r for r in s.waiting if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval)
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
         """Load when the copy (behind the queued ones) is estimated faster than recomputing."""

@@ -712,7 +712,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work.add_argument("--burst", type=int, metavar="N", help="N requests, all arriving at t=0")
     work.add_argument("--poisson", type=float, metavar="RATE", help="Poisson arrivals, RATE requests/s")
     work.add_argument("--trace", metavar="CSV", help="replay arrival_s,prompt_tokens,output_tokens rows, e.g. "
-                      f"../shared/traces/azure_code_burst_10min.csv: the {TRACE_CREDIT}")
+                      f"data/azure_code_burst_10min.csv: the {TRACE_CREDIT}")
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: %(default)s)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this (0.5: twice the rate)")
     add("--prompt-len", help="prompt tokens, MEAN[:SPREAD] of a normal (default: 64:16; 128 for --vs-transformers)")

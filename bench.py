@@ -36,7 +36,7 @@ from nanoflow.engine import READ_RATE_MAX, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
-from nanoflow.sched import POLICIES, TokenFlowConfig
+from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig
 from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: Efficient Generative "
@@ -515,7 +515,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
                     req.append(0, engine.clock())
                 engine.clock.advance_to(engine.clock() + 0.01)
             rebalance = "-"
-            if hasattr(s.policy, "keep"):  # tokenflow: one full rebalance (working set, sort, fill, victims)
+            if isinstance(s.policy, TokenFlow):  # one full rebalance (working set, sort, fill, victims)
                 start = time.perf_counter()
                 for _ in range(10):
                     s.policy.last_rebalance = float("-inf")

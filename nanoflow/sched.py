@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv import KVPool, cdiv
-from .metrics import RequestRecord
+from .metrics import RequestRecord, read_times
 from .swap import Swapper
 
 
@@ -113,9 +113,8 @@ class Request:
         # when the reader runs out of tokens: 1/r after it reads the newest one (docs/scheduling.md). Later
         # than now if it has a buffer; earlier if it waits for a token already (the earlier, the longer it
         # has stalled). A request without tokens has been waiting since it arrived.
-        self.dry_at = self.arrival_time
-        for t in self.token_times:
-            self.dry_at = max(t, self.dry_at) + 1.0 / self.read_rate
+        reads = read_times(self.token_times, self.read_rate)
+        self.dry_at = reads[-1] + 1.0 / self.read_rate if reads else self.arrival_time
 
     def append(self, token: int, now: float) -> None:
         """A token generated now: its reader reads it at once, or when done with the one before."""
@@ -486,7 +485,7 @@ class TokenFlow(FCFS):
         wait (newcomers, and readers about to run dry) have the blocks for their tokens and the seats
         they need, or until the copies (out, and back later) would keep the host link busy past the next
         rebalance: switching must not outrun the link. A reader with time to spare waits for room."""
-        joining = [r for r in s.waiting if r in self.keep and urgency[r][0] < 2]
+        joining = [r for r in self.joining if urgency[r][0] < 2]
         blocks = sum(s.kv.blocks_needed(r.block_table, r.num_tokens + 1) for r in joining) - s.kv.num_free
         seats = len(joining) - (s.max_num_seqs - len(s.running))
         link = self.config.interval - (s.swapper.backlog() if s.swapper else 0.0)

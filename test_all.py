@@ -1614,3 +1614,196 @@ def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
         engine.step()
     swapper.complete_all()
     assert all(r.num_output_tokens == 8 for r in reqs) and engine.kv.num_free == engine.kv.num_blocks
+
+
+# ---------------------------------------------------------------- the live view (GET /, /v1/engine/events)
+
+import base64  # noqa: E402
+import fcntl  # noqa: E402
+import select  # noqa: E402
+import shutil  # noqa: E402
+
+from nanoflow import live  # noqa: E402
+
+
+def test_live_row_counts_what_the_reader_has_not_read():
+    """A row's buffer is the tokens that read_times() has the reader read after now; stalled, it is negative."""
+    times = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 4.0]
+    for now in [0.5, 1.05, 1.6, 2.2, 2.74, 3.5, 4.1, 4.3]:
+        req = Request([1, 2, 3], SamplingParams(max_tokens=50), arrival_time=0.0, read_rate=4.0)
+        for t in (t for t in times if t <= now):
+            req.append(7, t)
+        row = live.request_row(req, now)
+        reads = read_times(req.token_times, req.read_rate)
+        assert row["buffer_tokens"] == sum(r > now for r in reads), now
+        assert row["output"] == len(reads) and row["state"] == "waiting"
+        assert row["ttft"] == (1.0 if reads else None) and (row["buffer_s"] is None) == (not reads)
+        if now > 4:  # the reader read token 7 at 4.0, so it runs dry at 4.25
+            assert (row["buffer_s"] < 0) == (now > 4.25)
+    req.status, req.num_host_tokens = RequestStatus.PREEMPTED, 16
+    assert live.request_state(req) == "paused on host"
+
+
+def events_stream(server, headers: dict | None = None):
+    conn = connect(server)
+    conn.request("GET", "/v1/engine/events", headers=headers or {})
+    sock = conn.sock  # the response takes it over from its connection
+    return sock, conn.getresponse()
+
+
+def test_live_view_costs_nothing_unwatched_and_streams_snapshots_watched(server, monkeypatch):
+    builds = []
+    build = live.LiveView.build
+    monkeypatch.setattr(live.LiveView, "build", lambda self, now: builds.append(now) or build(self, now))
+    status, _, _ = call(server, "POST", CHAT, {"messages": HELLO, "max_tokens": 8})
+    assert status == 200 and builds == [] and server.live.viewers == 0
+    sock, resp = events_stream(server)
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    start = time.monotonic()
+    sock_c, resp_c = open_stream(server, CHAT, {"messages": HELLO, "max_tokens": 40, "ignore_eos": True,
+                                                "read_rate": 5})
+    request_id = next(c for _, c in sse(resp_c))["id"]
+    frames = []
+    for _, snapshot in sse(resp):
+        frames.append(snapshot)
+        if len(frames) >= 8 and any(r["id"] == request_id for r in snapshot["rows"]):
+            break
+    elapsed = time.monotonic() - start
+    assert len(builds) <= elapsed / live.SNAPSHOT_INTERVAL_S + 2  # a few a second, not one per step
+    row = next(r for r in frames[-1]["rows"] if r["id"] == request_id)
+    assert row["read_rate"] == 5 and row["max_tokens"] == 40 and row["state"] in ("running", "prefilling", "waiting", "finished")
+    assert frames[-1]["policy"] == "tokenflow" and frames[-1]["device_blocks"][1] == server.engine.kv.num_blocks
+    assert [f["version"] for f in frames] == sorted(set(f["version"] for f in frames))
+    hang_up(sock, resp)
+    hang_up(sock_c, resp_c)
+    wait_for(lambda: server.live.viewers == 0, 10)
+    wait_for(lambda: all_free(server), 20)
+
+
+def test_burst_endpoint_sends_its_requests_and_checks_its_input(server):
+    status, _, body = call(server, "POST", "/v1/engine/burst", {"prompt_len": 5, "output_len": 3, "read_rates": [2, 9]})
+    assert status == 200 and body == {"submitted": 2, "requested": 2}
+    wait_for(lambda: all_free(server) and scrape(server)['nanoflow_requests_total{outcome="length"}'] >= 2, 30)
+    for bad in ({"prompt_len": 5, "output_len": 3, "read_rates": []}, {"prompt_len": 0, "output_len": 3,
+                "read_rates": [2]}, {"prompt_len": 5, "output_len": 3, "read_rates": ["fast"]},
+                {"prompt_len": 5, "output_len": 10 ** 6, "read_rates": [2]}):
+        status, _, err = call(server, "POST", "/v1/engine/burst", bad)
+        assert status == 400 and err["error"]["message"], bad
+
+
+def test_live_page_needs_no_key_but_its_events_do(server, monkeypatch):
+    monkeypatch.setattr(server, "api_key", "sekrit")
+    status, resp, text = call(server, "GET", "/")
+    assert status == 200 and resp.getheader("Content-Type").startswith("text/html") and "/v1/engine/events" in text
+    assert "http://" not in text and "https://" not in text  # self-contained: nothing from the internet
+    assert call(server, "GET", "/v1/engine/events")[0] == 401
+    assert call(server, "POST", "/v1/engine/burst", {})[0] == 401
+
+
+class Browser:
+    """Headless Chromium driven over its DevTools pipe: commands go in on its fd 3, replies come out on fd 4."""
+
+    def __init__(self, executable: str, url: str, profile: str, timeout: float = 30.0):
+        cmd_r, self.cmd = os.pipe()
+        self.replies, reply_w = os.pipe()
+
+        def child_fds():  # a pipe end may itself be fd 3 or 4: move both out of the way first
+            r, w = fcntl.fcntl(cmd_r, fcntl.F_DUPFD, 5), fcntl.fcntl(reply_w, fcntl.F_DUPFD, 5)
+            os.dup2(r, 3)
+            os.dup2(w, 4)
+
+        self.proc = subprocess.Popen([executable, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+                                      f"--user-data-dir={profile}", "--window-size=1280,900", url],
+                                     preexec_fn=child_fds, close_fds=False, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        os.close(cmd_r)
+        os.close(reply_w)
+        self.timeout, self.pending, self.next_id = timeout, b"", 0
+        page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
+        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+
+    def call(self, method: str, session: str | None = None, **params) -> dict:
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self.cmd, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            while b"\0" in self.pending:
+                raw, self.pending = self.pending.split(b"\0", 1)
+                reply = json.loads(raw)
+                if reply.get("id") == self.next_id:
+                    assert "error" not in reply, reply
+                    return reply["result"]
+            assert select.select([self.replies], [], [], max(0.0, deadline - time.monotonic()))[0], method
+            chunk = os.read(self.replies, 1 << 20)
+            assert chunk, "chromium exited"
+            self.pending += chunk
+
+    def evaluate(self, expression: str):
+        result = self.call("Runtime.evaluate", self.session, expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def screenshot(self) -> bytes:
+        return base64.b64decode(self.call("Page.captureScreenshot", self.session)["data"])
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self.cmd)
+        os.close(self.replies)
+
+
+def chromium() -> str:
+    """The browser's executable; skips the test where there is none (.ci/run installs Debian's chromium)."""
+    found = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    if found is None:
+        pytest.skip("no Chromium on this machine: `apt-get install chromium` to run the live page's browser test")
+    return found
+
+
+ROWS_JS = "JSON.stringify([...document.querySelectorAll('#rows tr')].map(t => [t.dataset.id, t.dataset.buffer]))"
+
+
+def test_live_page_in_headless_chromium(tmp_path):
+    """The demo model behind --api-key; the page asks for the key, shows rows for three streams whose buffers
+    move and then end (their readers done), and says so when the server goes away."""
+    executable = chromium()
+    srv = make_server(LLM(device="cpu", num_kv_blocks=64), "127.0.0.1", 0, api_key="sekrit").start()
+    browser = Browser(executable, srv.url + "/", str(tmp_path / "profile"))
+    try:
+        wait_for(lambda: browser.evaluate("typeof $ === 'function' && getComputedStyle($('keyform')).display") == "block", 20)
+        browser.evaluate("$('key').value = 'sekrit'; $('keybtn').click()")
+        wait_for(lambda: browser.evaluate("$('status').textContent") == "live", 20)
+        ids, seen, shot, full = [], {}, None, False
+        for rate in (2, 2.5, 3):  # slower than the demo model decodes on 2 cores beside a browser
+            threading.Thread(target=stream_with_key, args=(srv, rate, ids), daemon=True).start()
+        start = time.monotonic()
+        while len(ids) < 3 or any(i not in seen for i in ids) or any(i in current for i in ids):
+            assert time.monotonic() - start < 120, (ids, seen)
+            current = dict(json.loads(browser.evaluate(ROWS_JS)))
+            for request_id, buffer in current.items():
+                seen.setdefault(request_id, []).append(int(buffer))
+            if len(current) == 3 and (shot is None or not full):  # retaken once every reader has a buffer
+                full = all(int(b) > 0 for b in current.values())
+                shot = browser.screenshot()
+            time.sleep(0.1)
+        assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell as it was watched
+        assert browser.evaluate("$('policy').textContent") == "tokenflow"
+        (tmp_path / "live.png").write_bytes(shot)
+        assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
+        srv.shutdown()
+        wait_for(lambda: "server went away" in browser.evaluate("$('gone').textContent"), 20)
+    finally:
+        browser.close()
+        srv.shutdown()
+
+
+def stream_with_key(server, rate: float, ids: list[str]) -> None:
+    """A streaming chat request behind the key; its id goes into `ids` as soon as it is known."""
+    conn = connect(server)
+    body = {"messages": HELLO, "max_tokens": 16, "ignore_eos": True, "read_rate": rate, "stream": True}
+    conn.request("POST", CHAT, json.dumps(body), {"Authorization": "Bearer sekrit"})
+    chunks = sse(conn.getresponse())
+    ids.append(next(chunks)[1]["id"])
+    assert [c for _, c in chunks][-1] == "[DONE]"

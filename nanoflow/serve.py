@@ -6,7 +6,8 @@ engine thread is the only one that touches the Engine: it adds and aborts reques
 `engine.step()`, and after every step puts each request's new text on that request's own queue.
 The connection thread writes that text to its socket at once (one SSE chunk per detokenized token)
 and aborts the request as soon as its client goes away. `/metrics` reads the `engine.stats()`
-snapshot that the engine thread publishes after each step, plus the server's own counters.
+snapshot that the engine thread publishes after each step, plus the server's own counters. `GET /`
+is a page that watches the engine live (live.py) and `/v1/engine/events` feeds it.
 
     python -m nanoflow.serve --ckpt ./llama3-8b --port 8000
 """
@@ -35,6 +36,7 @@ from urllib.parse import urlsplit
 from jinja2 import TemplateError
 
 from .engine import LLM, Engine
+from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import RequestRecord, rebuffer_time
 from .sched import Request, SamplingParams, TokenFlowConfig
 
@@ -56,6 +58,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
+OPEN_PATHS = ("/health", "/")  # without a key: load balancers probe /health; the page asks for the key itself
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow")  # CLI flags for LLM(...)
 
 
@@ -103,9 +106,9 @@ class Stream:
 class EngineLoop(threading.Thread):
     """The only thread that touches the Engine; connections talk to it through `submit` and `abort`."""
 
-    def __init__(self, engine: Engine, metrics: "Metrics", max_waiting: int):
+    def __init__(self, engine: Engine, metrics: "Metrics", max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
-        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self.engine, self.metrics, self.max_waiting, self.live = engine, metrics, max_waiting, live
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # makes "check the queue length, then enqueue" one step for racing submits
         self.num_queued = 0  # submitted requests without a token yet
@@ -129,12 +132,17 @@ class EngineLoop(threading.Thread):
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id, None))
 
+    def watch(self) -> None:
+        """A viewer arrived: wake the engine thread, which now publishes snapshots even while idle."""
+        self.inbox.put(("watch", None, None))
+
     def stop(self) -> None:
         """Abort every request (each stream gets its last Event) and end the thread."""
         with self.lock:
             self.stopping = True
             self.inbox.put(("stop", None, None))
         self.join()
+        self.live.close()
 
     def run(self) -> None:
         while self._take_inbox(block=not self.engine.has_unfinished()):
@@ -147,10 +155,15 @@ class EngineLoop(threading.Thread):
             self.snapshot = self.engine.stats()  # before the Events, so a finished client sees its blocks free
             for req in done:
                 self._publish(self.streams[req.request_id])
+            if self.live.viewers:
+                self.live.observe(done)
 
     def _take_inbox(self, block: bool) -> bool:
         """Apply every pending add and abort (waiting for one when idle); False once asked to stop."""
-        items = [self.inbox.get()] if block else []
+        try:  # a viewer sees the idle engine too: a snapshot interval's wait at most
+            items = [self.inbox.get(timeout=SNAPSHOT_INTERVAL_S if self.live.viewers else None)] if block else []
+        except queue.Empty:
+            items = []
         while not self.inbox.empty():
             items.append(self.inbox.get())
         for kind, request_id, payload in items:
@@ -159,6 +172,8 @@ class EngineLoop(threading.Thread):
                 return False
             if kind == "add":
                 self._add(request_id, *payload)
+            elif kind == "watch":
+                self.live.restart()
             elif request_id in self.streams:
                 self.engine.abort(request_id)
                 self._publish(self.streams[request_id])
@@ -403,11 +418,11 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         path = urlsplit(self.path).path
         try:
-            if self.server.api_key and path != "/health":  # load balancers probe /health without a key
+            if self.server.api_key and path not in OPEN_PATHS:
                 self._authenticate()
             if path not in ROUTES:
                 raise HTTPError(404, f"no such path: {path}; see /v1/chat/completions, /v1/completions, "
-                                     "/v1/models, /health, /metrics")
+                                     "/v1/models, /health, /metrics, / (the live view)")
             method, endpoint = ROUTES[path]
             if self.command != method:
                 raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
@@ -435,6 +450,36 @@ class Handler(BaseHTTPRequestHandler):
         loop = self.server.loop
         text = self.server.metrics.render(loop.snapshot, loop.num_queued)
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def live_page(self) -> None:
+        self._send(200, page(), "text/html; charset=utf-8")
+
+    def engine_events(self) -> None:
+        """A snapshot of the engine (live.py) as a server-sent event every few hundred ms, while connected."""
+        self._start_events()
+        with self.server.live.watching() as version:
+            self.server.loop.watch()
+            try:
+                while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
+                    version = snapshot["version"]
+                    self._sse(snapshot)
+            except OSError:  # the viewer left
+                pass
+
+    def engine_burst(self) -> None:
+        """Send the page's burst into the engine: the browser itself could hold only six connections open."""
+        try:
+            requests = burst_requests(self._read_json(), self.server.engine)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        queues = []
+        try:
+            for ids, params in requests:
+                queues.append(self.server.loop.submit(f"burst-{uuid.uuid4().hex[:8]}", ids, params))
+        except HTTPError as e:  # overloaded: the rest are not sent
+            log.warning("burst: %d of %d requests sent: %s", len(queues), len(requests), e.message)
+        threading.Thread(target=drain, args=(queues,), daemon=True).start()
+        self._send_json(200, {"submitted": len(queues), "requested": len(requests)})
 
     def chat_completions(self) -> None:
         body = self._read_json()
@@ -474,12 +519,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, reply: Reply, events: queue.Queue) -> None:
         """Server-Sent Events as OpenAI sends them, one chunk per piece of text as soon as it exists."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
+        self._start_events()
         if reply.chat:
             self._sse(reply.chunk(role=True))
         for event in self._events(events):
@@ -541,6 +581,14 @@ class Handler(BaseHTTPRequestHandler):
         while left > 0 and (chunk := self.rfile.read(min(left, 1 << 16))):
             left -= len(chunk)
 
+    def _start_events(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
     def _sse(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
@@ -571,7 +619,16 @@ class Handler(BaseHTTPRequestHandler):
 
 ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions), "/v1/completions": ("POST", Handler.completions),
           "/v1/models": ("GET", Handler.models), "/health": ("GET", Handler.health),
-          "/metrics": ("GET", Handler.metrics)}
+          "/metrics": ("GET", Handler.metrics), "/": ("GET", Handler.live_page),
+          "/v1/engine/events": ("GET", Handler.engine_events), "/v1/engine/burst": ("POST", Handler.engine_burst)}
+
+
+def drain(queues: list[queue.Queue]) -> None:
+    """Read a burst's Events to their ends; nobody else listens to them."""
+    for events in queues:
+        event = events.get()
+        while not (event.finish_reason or event.error):
+            event = events.get()
 
 
 def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
@@ -594,7 +651,8 @@ class Server(ThreadingHTTPServer):
         self.engine, self.model, self.api_key = llm.engine, model, api_key
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.loop = EngineLoop(llm.engine, self.metrics, max_waiting)
+        self.live = LiveView(llm.engine, model)
+        self.loop = EngineLoop(llm.engine, self.metrics, max_waiting, self.live)
         self.idle = threading.Condition()
         self.num_in_flight = 0  # connections with a request in the engine
 

@@ -1616,7 +1616,7 @@ def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
     assert all(r.num_output_tokens == 8 for r in reqs) and engine.kv.num_free == engine.kv.num_blocks
 
 
-# ---------------------------------------------------------------- the live view (GET /, /v1/engine/events)
+# ---------------------------------------------------------------- the live view (GET /, its events)
 
 import base64  # noqa: E402
 import fcntl  # noqa: E402
@@ -1627,7 +1627,7 @@ from nanoflow import live  # noqa: E402
 
 
 def test_live_row_counts_what_the_reader_has_not_read():
-    """A row's buffer is the tokens that read_times() has the reader read after now; stalled, it is negative."""
+    """A row's buffer: the tokens that read_times() reads after now; stalled, its seconds < 0."""
     times = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 4.0]
     for now in [0.5, 1.05, 1.6, 2.2, 2.74, 3.5, 4.1, 4.3]:
         req = Request([1, 2, 3], SamplingParams(max_tokens=50), arrival_time=0.0, read_rate=4.0)
@@ -1644,9 +1644,9 @@ def test_live_row_counts_what_the_reader_has_not_read():
     assert live.request_state(req) == "paused on host"
 
 
-def events_stream(server, headers: dict | None = None):
+def events_stream(server) -> tuple[socket.socket, http.client.HTTPResponse]:
     conn = connect(server)
-    conn.request("GET", "/v1/engine/events", headers=headers or {})
+    conn.request("GET", "/v1/engine/events")
     sock = conn.sock  # the response takes it over from its connection
     return sock, conn.getresponse()
 
@@ -1654,14 +1654,15 @@ def events_stream(server, headers: dict | None = None):
 def test_live_view_costs_nothing_unwatched_and_streams_snapshots_watched(server, monkeypatch):
     builds = []
     build = live.LiveView.build
-    monkeypatch.setattr(live.LiveView, "build", lambda self, now: builds.append(now) or build(self, now))
+    counted = lambda self, now: builds.append(now) or build(self, now)  # noqa: E731
+    monkeypatch.setattr(live.LiveView, "build", counted)
     status, _, _ = call(server, "POST", CHAT, {"messages": HELLO, "max_tokens": 8})
     assert status == 200 and builds == [] and server.live.viewers == 0
     sock, resp = events_stream(server)
     assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
     start = time.monotonic()
-    sock_c, resp_c = open_stream(server, CHAT, {"messages": HELLO, "max_tokens": 40, "ignore_eos": True,
-                                                "read_rate": 5})
+    body = {"messages": HELLO, "max_tokens": 40, "ignore_eos": True, "read_rate": 5}
+    sock_c, resp_c = open_stream(server, CHAT, body)
     request_id = next(c for _, c in sse(resp_c))["id"]
     frames = []
     for _, snapshot in sse(resp):
@@ -1671,8 +1672,10 @@ def test_live_view_costs_nothing_unwatched_and_streams_snapshots_watched(server,
     elapsed = time.monotonic() - start
     assert len(builds) <= elapsed / live.SNAPSHOT_INTERVAL_S + 2  # a few a second, not one per step
     row = next(r for r in frames[-1]["rows"] if r["id"] == request_id)
-    assert row["read_rate"] == 5 and row["max_tokens"] == 40 and row["state"] in ("running", "prefilling", "waiting", "finished")
-    assert frames[-1]["policy"] == "tokenflow" and frames[-1]["device_blocks"][1] == server.engine.kv.num_blocks
+    assert row["read_rate"] == 5 and row["max_tokens"] == 40
+    assert row["state"] in ("running", "prefilling", "waiting", "finished")
+    assert frames[-1]["policy"] == "tokenflow"
+    assert frames[-1]["device_blocks"][1] == server.engine.kv.num_blocks
     assert [f["version"] for f in frames] == sorted(set(f["version"] for f in frames))
     hang_up(sock, resp)
     hang_up(sock_c, resp_c)
@@ -1681,27 +1684,29 @@ def test_live_view_costs_nothing_unwatched_and_streams_snapshots_watched(server,
 
 
 def test_burst_endpoint_sends_its_requests_and_checks_its_input(server):
-    status, _, body = call(server, "POST", "/v1/engine/burst", {"prompt_len": 5, "output_len": 3, "read_rates": [2, 9]})
+    burst = {"prompt_len": 5, "output_len": 3, "read_rates": [2, 9]}
+    status, _, body = call(server, "POST", "/v1/engine/burst", burst)
     assert status == 200 and body == {"submitted": 2, "requested": 2}
-    wait_for(lambda: all_free(server) and scrape(server)['nanoflow_requests_total{outcome="length"}'] >= 2, 30)
-    for bad in ({"prompt_len": 5, "output_len": 3, "read_rates": []}, {"prompt_len": 0, "output_len": 3,
-                "read_rates": [2]}, {"prompt_len": 5, "output_len": 3, "read_rates": ["fast"]},
-                {"prompt_len": 5, "output_len": 10 ** 6, "read_rates": [2]}):
-        status, _, err = call(server, "POST", "/v1/engine/burst", bad)
+    length_finished = 'nanoflow_requests_total{outcome="length"}'
+    wait_for(lambda: all_free(server) and scrape(server)[length_finished] >= 2, 30)
+    for bad in ({"read_rates": []}, {"prompt_len": 0}, {"read_rates": ["fast"]},
+                {"output_len": 10 ** 6}, {"prompt_len": True}):
+        status, _, err = call(server, "POST", "/v1/engine/burst", {**burst, **bad})
         assert status == 400 and err["error"]["message"], bad
 
 
 def test_live_page_needs_no_key_but_its_events_do(server, monkeypatch):
     monkeypatch.setattr(server, "api_key", "sekrit")
     status, resp, text = call(server, "GET", "/")
-    assert status == 200 and resp.getheader("Content-Type").startswith("text/html") and "/v1/engine/events" in text
-    assert "http://" not in text and "https://" not in text  # self-contained: nothing from the internet
+    assert status == 200 and resp.getheader("Content-Type").startswith("text/html")
+    assert "/v1/engine/events" in text
+    assert "http://" not in text and "https://" not in text  # self-contained
     assert call(server, "GET", "/v1/engine/events")[0] == 401
     assert call(server, "POST", "/v1/engine/burst", {})[0] == 401
 
 
 class Browser:
-    """Headless Chromium driven over its DevTools pipe: commands go in on its fd 3, replies come out on fd 4."""
+    """Headless Chromium over its DevTools pipe: commands go in on its fd 3, replies out on fd 4."""
 
     def __init__(self, executable: str, url: str, profile: str, timeout: float = 30.0):
         cmd_r, self.cmd = os.pipe()
@@ -1712,19 +1717,23 @@ class Browser:
             os.dup2(r, 3)
             os.dup2(w, 4)
 
-        self.proc = subprocess.Popen([executable, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-                                      f"--user-data-dir={profile}", "--window-size=1280,900", url],
-                                     preexec_fn=child_fds, close_fds=False, stdout=subprocess.DEVNULL,
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+                 f"--user-data-dir={profile}", "--window-size=1280,900"]
+        self.proc = subprocess.Popen([executable, *flags, url], preexec_fn=child_fds,
+                                     close_fds=False, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         os.close(cmd_r)
         os.close(reply_w)
         self.timeout, self.pending, self.next_id = timeout, b"", 0
         page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
-        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        attached = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)
+        self.session = attached["sessionId"]
 
     def call(self, method: str, session: str | None = None, **params) -> dict:
         self.next_id += 1
-        message = {"id": self.next_id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        message = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
         os.write(self.cmd, json.dumps(message).encode() + b"\0")
         deadline = time.monotonic() + self.timeout
         while True:
@@ -1734,13 +1743,15 @@ class Browser:
                 if reply.get("id") == self.next_id:
                     assert "error" not in reply, reply
                     return reply["result"]
-            assert select.select([self.replies], [], [], max(0.0, deadline - time.monotonic()))[0], method
+            left = max(0.0, deadline - time.monotonic())
+            assert select.select([self.replies], [], [], left)[0], f"no reply to {method}"
             chunk = os.read(self.replies, 1 << 20)
             assert chunk, "chromium exited"
             self.pending += chunk
 
     def evaluate(self, expression: str):
-        result = self.call("Runtime.evaluate", self.session, expression=expression, returnByValue=True)
+        result = self.call("Runtime.evaluate", self.session, expression=expression,
+                           returnByValue=True)
         assert "exceptionDetails" not in result, result
         return result["result"].get("value")
 
@@ -1755,24 +1766,27 @@ class Browser:
 
 
 def chromium() -> str:
-    """The browser's executable; skips the test where there is none (.ci/run installs Debian's chromium)."""
-    found = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    """The browser's executable; skips the test where there is none (.ci/run installs one)."""
+    names = ("chromium", "chromium-browser", "google-chrome")
+    found = next(filter(None, map(shutil.which, names)), None)
     if found is None:
-        pytest.skip("no Chromium on this machine: `apt-get install chromium` to run the live page's browser test")
+        pytest.skip("no Chromium here: `apt-get install chromium` runs the live page's test")
     return found
 
 
-ROWS_JS = "JSON.stringify([...document.querySelectorAll('#rows tr')].map(t => [t.dataset.id, t.dataset.buffer]))"
+ROWS_JS = ("JSON.stringify([...document.querySelectorAll('#rows tr')]"
+           ".map(t => [t.dataset.id, t.dataset.buffer]))")
+KEY_ASKED_JS = "typeof $ === 'function' && getComputedStyle($('keyform')).display === 'block'"
 
 
 def test_live_page_in_headless_chromium(tmp_path):
-    """The demo model behind --api-key; the page asks for the key, shows rows for three streams whose buffers
-    move and then end (their readers done), and says so when the server goes away."""
+    """The demo model behind --api-key: the page asks for the key, shows rows for three streams
+    whose buffers move and then end (their readers done), and says so when the server goes away."""
     executable = chromium()
     srv = make_server(LLM(device="cpu", num_kv_blocks=64), "127.0.0.1", 0, api_key="sekrit").start()
     browser = Browser(executable, srv.url + "/", str(tmp_path / "profile"))
     try:
-        wait_for(lambda: browser.evaluate("typeof $ === 'function' && getComputedStyle($('keyform')).display") == "block", 20)
+        wait_for(lambda: browser.evaluate(KEY_ASKED_JS), 20)
         browser.evaluate("$('key').value = 'sekrit'; $('keybtn').click()")
         wait_for(lambda: browser.evaluate("$('status').textContent") == "live", 20)
         ids, seen, shot, full = [], {}, None, False
@@ -1784,11 +1798,11 @@ def test_live_page_in_headless_chromium(tmp_path):
             current = dict(json.loads(browser.evaluate(ROWS_JS)))
             for request_id, buffer in current.items():
                 seen.setdefault(request_id, []).append(int(buffer))
-            if len(current) == 3 and (shot is None or not full):  # retaken once every reader has a buffer
+            if len(current) == 3 and (shot is None or not full):  # retaken once all have a buffer
                 full = all(int(b) > 0 for b in current.values())
                 shot = browser.screenshot()
             time.sleep(0.1)
-        assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell as it was watched
+        assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell
         assert browser.evaluate("$('policy').textContent") == "tokenflow"
         (tmp_path / "live.png").write_bytes(shot)
         assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
@@ -1802,7 +1816,8 @@ def test_live_page_in_headless_chromium(tmp_path):
 def stream_with_key(server, rate: float, ids: list[str]) -> None:
     """A streaming chat request behind the key; its id goes into `ids` as soon as it is known."""
     conn = connect(server)
-    body = {"messages": HELLO, "max_tokens": 16, "ignore_eos": True, "read_rate": rate, "stream": True}
+    body = {"messages": HELLO, "max_tokens": 16, "ignore_eos": True, "read_rate": rate,
+            "stream": True}
     conn.request("POST", CHAT, json.dumps(body), {"Authorization": "Bearer sekrit"})
     chunks = sse(conn.getresponse())
     ids.append(next(chunks)[1]["id"])

@@ -2,10 +2,10 @@
 
 The server's engine thread calls `LiveView.observe` after each step, but only while a browser
 watches: with nobody connected a step pays one integer test. At most every SNAPSHOT_INTERVAL_S it
-builds a snapshot (a plain dict: one row per request with its reader's buffer, the KV pools, tokens/s,
-recent preemptions and resumes) on that thread, the only one that touches requests, and hands it to
-the viewers' connection threads under a lock; each sends it as one server-sent event. A finished
-request's row stays while its reader still reads its buffer.
+builds a snapshot (a plain dict: one row per request with its reader's buffer, the KV pools,
+tokens/s, recent preemptions and resumes) on that thread, the only one that touches requests, and
+hands it to the viewers' connection threads under a lock; each sends it as one server-sent event.
+A finished request's row stays while its reader still reads its buffer.
 """
 
 import math
@@ -20,9 +20,10 @@ from importlib import resources
 from .engine import Engine
 from .sched import Request, RequestStatus, SamplingParams
 
-SNAPSHOT_INTERVAL_S = 0.2  # five frames a second: a buffer moves smoothly; building one costs ~0.1 ms
+SNAPSHOT_INTERVAL_S = 0.2  # five frames a second: buffers move smoothly; one costs ~0.1 ms to build
 RECENT_EVENTS = 30  # preemptions and resumes a snapshot carries, the newest last
 MAX_BURST = 512  # requests one burst may send: twice the server's default --max-waiting
+SNAPSHOT_STATS = ("preemptions", "resumes_load", "resumes_recompute", "running", "waiting")
 PAUSED = ("paused on host", "retracted")  # a preempted request's KV waits on host, or was dropped
 
 
@@ -51,7 +52,7 @@ class LiveView:
 
     @contextmanager
     def watching(self) -> Iterator[int]:
-        """Count a viewer in while inside; gives the version to wait past (the next snapshot is fresh)."""
+        """Count a viewer in while inside; gives the version to wait past (the first is fresh)."""
         with self.changed:
             self.viewers += 1
             version = self.version
@@ -62,7 +63,7 @@ class LiveView:
                 self.viewers -= 1
 
     def next(self, version: int, timeout: float) -> dict | None:
-        """The newest snapshot once its version is past `version` (or after timeout); None once closed."""
+        """The newest snapshot once past `version` (or at timeout); None once closed."""
         with self.changed:
             self.changed.wait_for(lambda: self.version > version or self.closed, timeout)
             return None if self.closed else self.snapshot
@@ -80,7 +81,7 @@ class LiveView:
         self.tokens = 0
 
     def observe(self, done: list[Request]) -> None:
-        """After a step (`done`: the requests that got a token): publish a snapshot if one is due."""
+        """After a step (`done`: the requests that got a token): publish a snapshot when due."""
         self.tokens += len(done)
         self.draining.update((r.request_id, r) for r in done if r.is_finished)
         now = self.engine.clock()
@@ -95,7 +96,8 @@ class LiveView:
     def build(self, now: float) -> dict:
         engine = self.engine
         self.draining = {i: r for i, r in self.draining.items() if r.dry_at > now}
-        reqs = sorted([*engine.requests.values(), *self.draining.values()], key=lambda r: r.arrival_time)
+        reqs = [*engine.requests.values(), *self.draining.values()]
+        reqs.sort(key=lambda r: r.arrival_time)
         rows = [request_row(r, now) for r in reqs]
         self._note_events(reqs, rows)
         gap = now - self.built_at
@@ -103,11 +105,11 @@ class LiveView:
         self.built_at = now
         self.tokens = 0
         stats = engine.stats()
+        pools = {f"{pool}_blocks": [stats[f"{pool}_blocks_total"] - stats[f"{pool}_blocks_free"],
+                                    stats[f"{pool}_blocks_total"]] for pool in ("device", "host")}
         return {"model": self.model, "policy": type(engine.scheduler.policy).__name__.lower(),
                 "tokens_per_s": tokens_per_s, "rows": rows, "events": list(self.events),
-                **{k: stats[k] for k in ("preemptions", "resumes_load", "resumes_recompute", "running", "waiting")},
-                **{f"{pool}_blocks": [stats[f"{pool}_blocks_total"] - stats[f"{pool}_blocks_free"],
-                                      stats[f"{pool}_blocks_total"]] for pool in ("device", "host")}}
+                **{k: stats[k] for k in SNAPSHOT_STATS}, **pools}
 
     def _note_events(self, reqs: list[Request], rows: list[dict]) -> None:
         """Turn each request's change of state since the last snapshot into an event."""
@@ -117,7 +119,7 @@ class LiveView:
             if row["state"] in PAUSED and before not in PAUSED:
                 self._event(row, f"{row['state']} with {row['buffer_s'] or 0:.1f} s of buffer")
             elif before in PAUSED and row["state"] not in PAUSED:
-                self._event(row, "resumed by load" if req.num_host_tokens else "resumed by recompute")
+                self._event(row, f"resumed by {'load' if req.num_host_tokens else 'recompute'}")
         self.states = states
 
     def _event(self, row: dict, what: str) -> None:
@@ -135,25 +137,29 @@ def request_state(req: Request) -> str:
 def request_row(req: Request, now: float) -> dict:
     """One request as the page shows it; its buffer is the tokens its reader has not read yet.
 
-    The reader reads one token every 1/r s until `dry_at`, so (dry_at - now) * r - 1 tokens are still unread.
+    Its reader reads one token every 1/r s until `dry_at`: (dry_at - now) * r - 1 are still unread.
     """
     lead = req.dry_at - now
     return {"id": req.request_id, "state": request_state(req), "read_rate": req.read_rate,
             "ttft": req.token_times[0] - req.arrival_time if req.started else None,
-            "age": now - req.arrival_time, "output": req.num_output_tokens, "max_tokens": req.params.max_tokens,
+            "age": now - req.arrival_time, "output": req.num_output_tokens,
+            "max_tokens": req.params.max_tokens, "preemptions": req.num_preemptions,
             "buffer_tokens": max(0, math.ceil(lead * req.read_rate - 1)) if req.started else 0,
-            "buffer_s": lead if req.started else None, "preemptions": req.num_preemptions}
+            "buffer_s": lead if req.started else None}
 
 
 def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], SamplingParams]]:
-    """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}, random prompts."""
-    rates, prompt_len, output_len = body.get("read_rates"), body.get("prompt_len"), body.get("output_len")
+    """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}.
+
+    Prompts are random token ids, outputs exactly output_len long."""
+    rates, lengths = body.get("read_rates"), (body.get("prompt_len"), body.get("output_len"))
     if not isinstance(rates, list) or not 1 <= len(rates) <= MAX_BURST:
-        raise ValueError(f"`read_rates` must list one read rate per request, 1 to {MAX_BURST} of them")
-    if not all(isinstance(n, int) and n >= 1 for n in (prompt_len, output_len)):
+        raise ValueError(f"`read_rates` must list one rate per request, 1 to {MAX_BURST} of them")
+    if not all(type(n) is int and n >= 1 for n in lengths):
         raise ValueError("`prompt_len` and `output_len` must be token counts >= 1")
+    prompt_len, output_len = lengths
     if prompt_len + output_len > engine.max_model_len:
-        raise ValueError(f"prompt_len + output_len must fit the model's context of {engine.max_model_len} tokens")
+        raise ValueError(f"prompt_len + output_len must fit the context: {engine.max_model_len}")
     rng = random.Random()
     out = []
     for rate in rates:

@@ -58,7 +58,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
-OPEN_PATHS = ("/health", "/")  # without a key: load balancers probe /health; the page asks for the key itself
+OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow")  # CLI flags for LLM(...)
 
 
@@ -133,7 +133,7 @@ class EngineLoop(threading.Thread):
         self.inbox.put(("abort", request_id, None))
 
     def watch(self) -> None:
-        """A viewer arrived: wake the engine thread, which now publishes snapshots even while idle."""
+        """A viewer arrived: wake the engine thread, which publishes snapshots even when idle."""
         self.inbox.put(("watch", None, None))
 
     def stop(self) -> None:
@@ -160,8 +160,9 @@ class EngineLoop(threading.Thread):
 
     def _take_inbox(self, block: bool) -> bool:
         """Apply every pending add and abort (waiting for one when idle); False once asked to stop."""
-        try:  # a viewer sees the idle engine too: a snapshot interval's wait at most
-            items = [self.inbox.get(timeout=SNAPSHOT_INTERVAL_S if self.live.viewers else None)] if block else []
+        wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None  # viewers see an idle engine
+        try:
+            items = [self.inbox.get(timeout=wait)] if block else []
         except queue.Empty:
             items = []
         while not self.inbox.empty():
@@ -455,7 +456,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, page(), "text/html; charset=utf-8")
 
     def engine_events(self) -> None:
-        """A snapshot of the engine (live.py) as a server-sent event every few hundred ms, while connected."""
+        """Snapshots of the engine (live.py), one server-sent event each, while the viewer stays."""
         self._start_events()
         with self.server.live.watching() as version:
             self.server.loop.watch()
@@ -467,7 +468,7 @@ class Handler(BaseHTTPRequestHandler):
                 pass
 
     def engine_burst(self) -> None:
-        """Send the page's burst into the engine: the browser itself could hold only six connections open."""
+        """The page's burst, sent from here: a browser holds only six connections to one server."""
         try:
             requests = burst_requests(self._read_json(), self.server.engine)
         except ValueError as e:
@@ -620,7 +621,8 @@ class Handler(BaseHTTPRequestHandler):
 ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions), "/v1/completions": ("POST", Handler.completions),
           "/v1/models": ("GET", Handler.models), "/health": ("GET", Handler.health),
           "/metrics": ("GET", Handler.metrics), "/": ("GET", Handler.live_page),
-          "/v1/engine/events": ("GET", Handler.engine_events), "/v1/engine/burst": ("POST", Handler.engine_burst)}
+          "/v1/engine/events": ("GET", Handler.engine_events),
+          "/v1/engine/burst": ("POST", Handler.engine_burst)}
 
 
 def drain(queues: list[queue.Queue]) -> None:
@@ -704,7 +706,8 @@ def model_id(ckpt: str | None) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible server for "
-                                "nanoflow: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
+                                "nanoflow: /v1/chat/completions, /v1/completions, /v1/models, "
+                                "/health, /metrics; a live view at /.")
     p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file; default: the demo "
                    f"{DEMO_MODEL_ID}, downloaded once")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "

@@ -29,7 +29,8 @@ from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
 from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
 from nanoflow.kv import KVPool  # noqa: E402
-from nanoflow.model import IncrementalDetokenizer, demo_checkpoint, sample  # noqa: E402
+from nanoflow.model import (IncrementalDetokenizer, demo_checkpoint, generation_config, processed_logits,  # noqa: E402
+                            sample, sampling_probs)
 from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402
@@ -174,17 +175,23 @@ def test_small_pool_preempts_and_frees_everything(tiny, policy):
 def test_errors_name_the_problem(tmp_path, tiny):
     path, _ = tiny
     llm = LLM(path, device="cpu", num_kv_blocks=8)
-    with pytest.raises(ValueError, match="context"):
-        llm.generate([[5] * 600], GREEDY)
-    with pytest.raises(ValueError, match="KV blocks"):
-        llm.generate([[5] * 100], SamplingParams(max_tokens=100))
+    assert llm.engine.max_model_len == 8 * 16  # the context (512), lowered to what the pool holds
+    with pytest.raises(ValueError, match="context is 128"):
+        llm.generate([[5] * 200], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, device="cpu", num_kv_blocks=8, max_model_len=600)
     for bad, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-                       (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"), (dict(stop=[""]), "stop"),
-                       (dict(seed="x"), "seed")]:
+                       (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"),
+                       (dict(seed="x"), "seed"), (dict(min_p=2), "min_p"), (dict(presence_penalty=3), "presence"),
+                       (dict(repetition_penalty=0), "repetition"), (dict(logit_bias={"a": 1}), "logit_bias"),
+                       (dict(logit_bias={5: 101}), "logit_bias"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+                       (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logprobs=21), "logprobs")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([[5]], SamplingParams(logit_bias={10 ** 6: 1}))
     # a broken checkpoint: wrong architecture, then a missing tensor
     cfg = json.loads((path / "config.json").read_text())
     bad = tmp_path / "bad"
@@ -255,10 +262,11 @@ def test_a_request_ends_with_length_exactly_at_the_context(tiny):
 SAMPLER_PROBS = [0.04, 0.4, 0.1, 0.25, 0.06, 0.15]  # a vocabulary of 6, not sorted: order must not matter
 
 
-def expected_probs(temperature: float, top_k: int, top_p: float) -> list[float]:
-    """The sampling distribution by definition (vLLM's): p^(1/T) renormalized, the top_k likeliest kept, then
-    the smallest set of those whose mass reaches top_p."""
+def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> list[float]:
+    """The sampling distribution by definition (vLLM's): p^(1/T) renormalized, the tokens at least min_p times
+    as likely as the likeliest, of those the top_k likeliest, then the smallest set whose mass reaches top_p."""
     w = [p ** (1 / temperature) for p in SAMPLER_PROBS]
+    w = [x if x >= min_p * max(w) else 0.0 for x in w]
     order = sorted(range(len(w)), key=lambda i: -w[i])[:top_k if top_k > 0 else None]
     total, kept, mass = sum(w[i] for i in order), [], 0.0
     for i in order:
@@ -269,19 +277,69 @@ def expected_probs(temperature: float, top_k: int, top_p: float) -> list[float]:
     return [w[i] / sum(w[j] for j in kept) if i in kept else 0.0 for i in range(len(w))]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 3, 1.0),  # 0.4, 0.25, 0.15 renormalized
-    (1.0, -1, 0.6),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
-    (0.5, -1, 1.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
-    (2.0, 4, 0.8)])  # sqrt(p), the top 4, then the top 3 of those (0.83 of their mass lies before the 4th)
-def test_sampler_draws_from_the_right_distribution(temperature, top_k, top_p):
+def sampling_row(params: SamplingParams, generator=None, prompt=(), output=()) -> types.SimpleNamespace:
+    """What the sampler reads of a request."""
+    return types.SimpleNamespace(params=params, generator=generator, prompt_token_ids=list(prompt),
+                                 output_token_ids=list(output), num_output_tokens=len(output))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 3, 1.0, 0.0),  # 0.4, 0.25, 0.15 renormalized
+    (1.0, -1, 0.6, 0.0),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
+    (0.5, -1, 1.0, 0.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
+    (2.0, 4, 0.8, 0.0),  # sqrt(p), the top 4, then the top 3 of those (0.83 of their mass lies before the 4th)
+    (1.0, 0, 1.0, 0.3),  # 0 = no top_k; tokens at least 0.12 likely: 0.4, 0.25, 0.15
+    (1.0, 2, 0.5, 0.5)])  # min_p keeps 0.4, 0.25; top_k 2 keeps the same; top_p 0.5 of (0.62, 0.38): the first
+def test_sampler_draws_from_the_right_distribution(temperature, top_k, top_p, min_p):
     n = 4000
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     logits = torch.tensor(SAMPLER_PROBS).log().expand(n, -1)
-    draws = sample(logits, [params] * n, [torch.Generator().manual_seed(0)] * n)
+    draws = sample(logits, [sampling_row(params, torch.Generator().manual_seed(0))] * n)
     freq = [draws.count(i) / n for i in range(len(SAMPLER_PROBS))]
-    for f, p in zip(freq, expected_probs(temperature, top_k, top_p)):
-        assert f == 0 if p == 0 else abs(f - p) < 0.03, (freq, expected_probs(temperature, top_k, top_p))
+    want = expected_probs(temperature, top_k, top_p, min_p)
+    for f, p in zip(freq, want):
+        assert f == 0 if p == 0 else abs(f - p) < 0.03, (freq, want)
+    assert torch.allclose(sampling_probs(logits[:1], [params])[0], torch.tensor(want), atol=1e-6)
+
+
+def reference_logits(logits: list[float], row, eos_token_ids: list[int]) -> list[float]:
+    """One row by the definitions, token by token: logit_bias; EOS and stop_token_ids banned before min_tokens;
+    repetition_penalty on every token of prompt or output (divide a positive logit, multiply a negative one);
+    then frequency_penalty x the token's count in the output and presence_penalty if it occurs there at all."""
+    p, out = row.params, row.output_token_ids
+    logits = [x + p.logit_bias.get(t, 0.0) for t, x in enumerate(logits)]
+    if len(out) < p.min_tokens:
+        logits = [float("-inf") if t in eos_token_ids or t in p.stop_token_ids else x for t, x in enumerate(logits)]
+    for t, x in enumerate(logits):
+        if t in row.prompt_token_ids or t in out:
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        logits[t] = x - p.frequency_penalty * out.count(t) - p.presence_penalty * (t in out)
+    return logits
+
+
+def test_sampler_penalties_match_a_per_row_reference():
+    vocab, rng = 40, random.Random(0)
+    rows = []
+    for i in range(12):
+        params = SamplingParams(temperature=rng.choice([0, 0.8]), presence_penalty=rng.uniform(-2, 2),
+                                frequency_penalty=rng.uniform(-2, 2), repetition_penalty=rng.uniform(0.5, 2),
+                                logit_bias={rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)},
+                                min_tokens=rng.randrange(6), stop_token_ids=[rng.randrange(vocab)])
+        if i % 4 == 0:  # some rows use none of it: the batch mixes them
+            params = SamplingParams(temperature=params.temperature)
+        prompt, output = random_prompts(2, vocab, seed=i, lengths=(0, 30))
+        rows.append(sampling_row(params, prompt=prompt, output=output))
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1))
+    eos = [2, 7]
+    got = processed_logits(logits, rows, eos)
+    want = torch.tensor([reference_logits(x, row, eos) for x, row in zip(logits.tolist(), rows)])
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(logits, torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1)))  # untouched
+    greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
+    tokens = sample(logits, rows, eos)
+    assert [tokens[i] for i in greedy] == want[greedy].argmax(-1).tolist()
+    banned = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    assert banned and all(tokens[i] not in eos + rows[i].params.stop_token_ids for i in banned)
 
 
 # ---------------------------------------------------------------- tokenizer, detokenizer, chat template
@@ -919,8 +977,9 @@ def test_openai_client(server):
     assert cut.choices[0].text == done.choices[0].text[:done.choices[0].text.find(stop)]
     assert "".join(p.choices[0].text for p in cut_pieces) == cut.choices[0].text
     assert cut.choices[0].finish_reason == cut_pieces[-1].choices[0].finish_reason == "stop"
-    with pytest.raises(openai.BadRequestError, match="`n`"):
-        client.chat.completions.create(messages=HELLO, n=2, **args)
+    with pytest.raises(openai.BadRequestError, match="`tools`"):
+        client.chat.completions.create(messages=HELLO, tools=[{"type": "function", "function": {"name": "f"}}],
+                                       **args)
 
 
 def test_32_concurrent_streams(server):
@@ -975,8 +1034,17 @@ BAD = [  # (method, path, body, status, error code or None)
     ("POST", "/v1/completions", {"prompt": "hi", "seed": 10 ** 30}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "stop": 5}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "read_rate": 0}, 400, None),
-    ("POST", "/v1/completions", {"prompt": "hi", "n": 3}, 400, "unsupported_parameter"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "unsupported_parameter"),
+    ("POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter"),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 17}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, None),
+    ("POST", CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, None),
+    ("POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
     ("POST", "/v1/completions", b" " * (MAX_BODY_BYTES + 1), 413, None),
     ("GET", "/nope", None, 404, "not_found"),
     ("POST", "/v1/nope", {"prompt": "hi"}, 404, "not_found"),
@@ -1075,10 +1143,15 @@ def test_every_sampling_field_reaches_the_engine(server, monkeypatch):
     got, add = [], server.engine.add_request
     monkeypatch.setattr(server.engine, "add_request",
                         lambda ids, params, *args: (got.append(params), add(ids, params, *args))[1])
-    fields = dict(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop=["zz"], ignore_eos=True, read_rate=12.5)
-    assert call(server, "POST", "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, **fields))[0] == 200
-    assert call(server, "POST", CHAT, dict(messages=HELLO, max_completion_tokens=4, **fields))[0] == 200
-    assert got == [SamplingParams(max_tokens=5, **fields), SamplingParams(max_tokens=4, **fields)]
+    fields = dict(temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=3, stop=["zz"], ignore_eos=True,
+                  read_rate=12.5, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                  logit_bias={9: 2.5}, min_tokens=2, stop_token_ids=[11])
+    body = {**fields, "logit_bias": {"9": 2.5}}  # JSON keys are strings
+    assert call(server, "POST", "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, logprobs=2, **body))[0] == 200
+    assert call(server, "POST", CHAT, dict(messages=HELLO, max_completion_tokens=4, **body))[0] == 200
+    assert call(server, "POST", CHAT, dict(messages=HELLO, max_tokens=4, logprobs=True, **body))[0] == 200
+    assert got == [SamplingParams(max_tokens=5, logprobs=2, **fields), SamplingParams(max_tokens=4, **fields),
+                   SamplingParams(max_tokens=4, logprobs=0, **fields)]
 
 
 def test_server_fills_the_context_and_no_more(server):

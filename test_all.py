@@ -6,6 +6,7 @@ kernels, an uninterrupted run for anything that batches, chunks or preempts.
 
 import http.client
 import json
+import logging
 import os
 import random
 import signal
@@ -1194,6 +1195,255 @@ def test_api_key(server, monkeypatch):
     assert call(server, "GET", "/health")[0] == 200  # probes need no key
 
 
+# ---------------------------------------------------------------- what chat UIs, SDKs, browsers and proxies send
+
+
+def capture_params(server, monkeypatch) -> list:
+    got, add = [], server.engine.add_request
+    monkeypatch.setattr(server.engine, "add_request",
+                        lambda ids, params, *args: (got.append((ids, params)), add(ids, params, *args))[1])
+    return got
+
+
+def test_default_max_tokens_fits_a_small_pool(ckpt, caplog):
+    """Without max_tokens a request asks for the whole context; a pool smaller than one context lowers it."""
+    caplog.set_level(logging.INFO, logger="nanoflow")
+    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=8), "127.0.0.1", 0, model="tiny").start()
+    try:
+        assert "max_model_len lowered from 512 to 128 tokens" in caplog.text  # 8 blocks of 16
+        assert call(srv, "GET", "/v1/models")[2]["data"][0]["max_model_len"] == 128
+        status, _, whole = call(srv, "POST", "/v1/completions", dict(prompt=[5] * 100, ignore_eos=True))
+        assert status == 200 and whole["usage"]["completion_tokens"] == 28
+        status, _, err = call(srv, "POST", "/v1/completions", dict(prompt=[5] * 100, max_tokens=29))
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    finally:
+        srv.shutdown()
+
+
+def test_roles(server, monkeypatch):
+    got = capture_params(server, monkeypatch)
+    system = [{"role": "system", "content": "be brief"}, *HELLO]
+    developer = [{"role": "developer", "content": "be brief"}, *HELLO]
+    tool = [*HELLO, {"role": "assistant", "content": "calling"}, {"role": "tool", "content": "42"}]
+    for messages in (system, developer, tool):
+        assert call(server, "POST", CHAT, dict(messages=messages, max_tokens=1))[0] == 200
+    assert got[0][0] == got[1][0] == server.engine.tokenizer.apply_chat_template(system)  # developer = system
+    status, _, err = call(server, "POST", CHAT, dict(messages=[{"role": "wizard", "content": "hi"}]))
+    assert status == 400 and "wizard" in err["error"]["message"]
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_top_k_0_is_off(server, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="nanoflow")
+    got = capture_params(server, monkeypatch)
+    body = dict(prompt="hi", max_tokens=2, top_k=0, frobnicate=1, zz_top=True, user="me")
+    assert call(server, "POST", "/v1/completions", body, {"X-Request-Id": "rid-7"})[0] == 200
+    assert call(server, "POST", "/v1/completions", dict(prompt="hi", max_tokens=2, top_k=-1))[0] == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["rid-7: ignoring unknown fields frobnicate, zz_top"]
+    assert [p.top_k for _, p in got] == [0, -1]
+
+
+def test_generation_config_gives_the_defaults_and_the_server_overrides_it(ckpt, tmp_path, monkeypatch, demo):
+    import shutil
+    folder = tmp_path / "with-defaults"
+    shutil.copytree(ckpt, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.3, "top_k": 5, "top_p": 0.8, "repetition_penalty": 1.1, "eos_token_id": 2}))
+    srv = make_server(LLM(folder, device="cpu", num_kv_blocks=32), "127.0.0.1", 0,
+                      generation_config={"top_p": 0.7}).start()
+    try:
+        got = capture_params(srv, monkeypatch)
+        assert call(srv, "POST", "/v1/completions", dict(prompt="hi", max_tokens=2))[0] == 200
+        assert call(srv, "POST", "/v1/completions", dict(prompt="hi", max_tokens=2, temperature=1, top_k=0))[0] == 200
+    finally:
+        srv.shutdown()
+    model = dict(temperature=0.3, top_k=5, top_p=0.7, repetition_penalty=1.1)  # the file, then the server's flag
+    assert [p for _, p in got] == [SamplingParams(max_tokens=2, **model),
+                                   SamplingParams(max_tokens=2, **{**model, "temperature": 1, "top_k": 0})]
+    assert LLM(ckpt, device="cpu", num_kv_blocks=8).generation_config == {}  # transformers wrote only eos/bos
+    assert demo.generation_config == {}  # GGUF: today's defaults
+
+
+def reference_greedy(ckpt, prompt: list[int], n: int, **params) -> list[int]:
+    """Greedy tokens from a separate engine on the same checkpoint."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=16)
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params))[0].token_ids
+
+
+def test_logprobs_are_the_models_own(server, ckpt):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    tok = server.engine.tokenizer
+    prompt = tok.encode("once upon a time")
+    args = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    done = client.completions.create(**args).choices[0].logprobs
+    pieces = [p.choices[0].logprobs for p in client.completions.create(stream=True, **args) if p.choices[0].logprobs]
+    out = reference_greedy(ckpt, prompt, 6)
+    ref = engine_logits(LLM(ckpt, device="cpu", num_kv_blocks=16), prompt + out[:-1])[len(prompt) - 1:].log_softmax(-1)
+    assert done.tokens == [tok.decode([t]) for t in out]
+    assert done.token_logprobs == pytest.approx([ref[i, t].item() for i, t in enumerate(out)], abs=1e-4)
+    top = ref.topk(3)
+    # a dict per token (OpenAI's shape), keyed by text: alternatives that decode alike would share a key
+    assert [dict(zip(map(tok.decode, [[i] for i in row]), v)) for row, v in zip(top.indices.tolist(),
+            top.values.tolist())] == [pytest.approx(d, abs=1e-4) for d in done.top_logprobs]
+    assert [t for p in pieces for t in p.tokens] == done.tokens
+    assert [x for p in pieces for x in p.token_logprobs] == done.token_logprobs
+
+    chat_args = dict(model="tiny", messages=HELLO, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                     extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
+    streamed = [c for p in client.chat.completions.create(stream=True, **chat_args)
+                if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert len(content) == 5 and [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
+    for c in content:  # greedy: the chosen token is the likeliest
+        assert len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert bytes(c.bytes).decode() == c.token
+    plain = client.chat.completions.create(**{**chat_args, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices(server):
+    body = dict(prompt="once upon a time", max_tokens=8, seed=5, ignore_eos=True, n=3)
+    status, _, whole = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    # choice i is the request alone with seed + i
+    alone = [call(server, "POST", "/v1/completions", {**body, "n": 1, "seed": 5 + i})[2] for i in range(3)]
+    assert [c["text"] for c in whole["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in whole["choices"]}) == 3
+    assert whole["usage"] == {"prompt_tokens": alone[0]["usage"]["prompt_tokens"], "completion_tokens": 24,
+                              "total_tokens": alone[0]["usage"]["prompt_tokens"] + 24}
+    chat = dict(messages=HELLO, max_tokens=6, seed=9, ignore_eos=True, n=2)
+    _, resp = open_stream(server, CHAT, dict(chat, stream_options={"include_usage": True}))
+    chunks = [c for _, c in sse(resp)][:-1]
+    texts, roles, reasons = {0: "", 1: ""}, [], {}
+    for c in chunks[:-1]:
+        choice = c["choices"][0]
+        roles += [choice["index"]] if choice["delta"].get("role") else []
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        reasons[choice["index"]] = choice["finish_reason"] or reasons.get(choice["index"])
+    whole = call(server, "POST", CHAT, chat)[2]
+    assert roles == [0, 1] and reasons == {0: "length", 1: "length"}
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_sampling_options_through_the_server(server, ckpt):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    prompt = server.engine.tokenizer.encode("once upon a time")
+    greedy = reference_greedy(ckpt, prompt, 8)
+
+    def create(**extra):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True, **extra})
+
+    stop = create(stop_token_ids=[greedy[2]])
+    assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == greedy.index(greedy[2]) + 1
+    later = create(stop_token_ids=[greedy[2]], min_tokens=greedy.index(greedy[2]) + 2)
+    assert later.usage.completion_tokens > stop.usage.completion_tokens
+    forced = create(logit_bias={str(greedy[0] + 1): 100})
+    assert forced.choices[0].text == server.engine.tokenizer.decode([greedy[0] + 1] * 8)
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
+    assert create(**penalties).choices[0].text == server.engine.tokenizer.decode(
+        reference_greedy(ckpt, prompt, 8, **penalties))
+
+
+def test_request_id_is_echoed_or_made(server, caplog):
+    caplog.set_level(logging.INFO, logger="nanoflow")
+    for method, path, body in [("POST", "/v1/completions", dict(prompt="hi", max_tokens=2)), ("GET", "/nope", None),
+                               ("POST", CHAT, dict(messages=HELLO, max_tokens=2, stream=True))]:
+        assert call(server, method, path, body, {"X-Request-Id": "abc-123"})[1].getheader("X-Request-Id") == "abc-123"
+    assert sum("abc-123" in r.getMessage() and "finish=" in r.getMessage() for r in caplog.records) == 2
+    made = {call(server, "GET", "/v1/models")[1].getheader("X-Request-Id") for _ in range(2)}
+    assert len(made) == 2 and all(len(m) == 32 for m in made)
+
+
+def test_paths_are_normalized(server):
+    for path in ("/v1//models", "/v1/models/", "//v1/models", "/v1/models?x=1"):
+        assert call(server, "GET", path)[0] == 200, path
+    assert call(server, "POST", "/v1/completions/", dict(prompt="hi", max_tokens=1))[0] == 200
+
+
+def test_cors(server, monkeypatch):
+    monkeypatch.setattr(server, "allowed_origins", ["http://ui.example"])
+    monkeypatch.setattr(server, "api_key", "sekrit")  # a preflight carries no key
+    ui = "http://ui.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    status, resp, _ = call(server, "OPTIONS", CHAT, None, {"Origin": ui, **preflight})
+    assert status == 204 and resp.getheader("Access-Control-Allow-Origin") == ui
+    assert resp.getheader("Access-Control-Allow-Methods") == "POST, OPTIONS"
+    assert resp.getheader("Access-Control-Allow-Headers") == "authorization"
+    status, resp, _ = call(server, "GET", "/v1/models", None, {"Origin": ui, "Authorization": "Bearer sekrit"})
+    assert status == 200 and resp.getheader("Access-Control-Allow-Origin") == ui
+    assert resp.getheader("Access-Control-Expose-Headers") == "X-Request-Id"
+    for headers in ({"Origin": "http://evil.example", **preflight}, {}):
+        status, resp, _ = call(server, "OPTIONS", CHAT, None, headers)
+        assert status == 204 and resp.getheader("Access-Control-Allow-Origin") is None
+    monkeypatch.setattr(server, "allowed_origins", ["*"])
+    status, resp, _ = call(server, "GET", "/health", None, {"Origin": "http://any.example"})
+    assert resp.getheader("Access-Control-Allow-Origin") == "*"
+
+
+def test_paused_stream_gets_keepalive_comments(server, gate, monkeypatch):
+    monkeypatch.setattr(serve, "KEEPALIVE_S", 0.2)
+    sock, resp = open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=2))
+    assert resp.getheader("X-Accel-Buffering") == "no" and resp.getheader("Cache-Control") == "no-cache"
+    assert [resp.readline(), resp.readline()] == [b": keep-alive\n", b"\n"]  # the engine is held: no token
+    gate.set()
+    assert [c for _, c in sse(resp)][-1] == "[DONE]"
+
+
+def test_too_large_body_gets_413_before_it_is_sent(server):
+    """The client announces a body it waits to send: it reads 413 at once, not after CLIENT_TIMEOUT_S."""
+    sock = socket.create_connection(server.server_address[:2], timeout=5)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (10 * MAX_BODY_BYTES))
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    assert resp.status == 413 and "limit" in json.loads(resp.read())["error"]["message"]
+    sock.close()
+
+
+def test_health_while_loading_and_draining(ckpt, monkeypatch):
+    srv = make_server(None, "127.0.0.1", 0, model="tiny").start()
+    status, _, err = call(srv, "GET", "/health")
+    assert status == 503 and err["error"]["code"] == "loading"
+    assert call(srv, "POST", "/v1/completions", dict(prompt="hi"))[0] == 503
+    srv.attach(LLM(ckpt, device="cpu", num_kv_blocks=64))
+    assert call(srv, "GET", "/health")[0] == 200
+    slow_steps(srv, monkeypatch, 0.02)
+    short = open_stream(srv, "/v1/completions", dict(prompt="hello", max_tokens=5, ignore_eos=True))[1]
+    long = open_stream(srv, "/v1/completions", dict(prompt="hello", max_tokens=400, ignore_eos=True))[1]
+    result = []
+    drain = threading.Thread(target=lambda: result.append(srv.shutdown(timeout=1.0)))
+    drain.start()
+    wait_for(lambda: srv.state == "draining", timeout=1.0)
+    status, _, err = call(srv, "GET", "/health")
+    assert status == 503 and err["error"]["code"] == "draining"
+    assert call(srv, "POST", "/v1/completions", dict(prompt="hi"))[0] == 503
+    finished = [[c for _, c in sse(resp)][-2]["choices"][0]["finish_reason"] for resp in (short, long)]
+    drain.join()
+    assert finished == ["length", "abort"] and result == [(1, 1)]  # the short one finished, the long one was cut
+
+
+def test_tokenize_and_detokenize(server):
+    tok = server.engine.tokenizer
+    ids = tok.encode("once upon a time")
+    status, _, out = call(server, "POST", "/tokenize", {"prompt": "once upon a time", "return_token_strs": True})
+    assert status == 200 and tok.tk.decoder.decode(out.pop("token_strs")) == "once upon a time"
+    assert out == {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids}
+    out = call(server, "POST", "/tokenize", {"messages": HELLO})[2]
+    assert out["tokens"] == tok.apply_chat_template(HELLO) and out["token_strs"] is None
+    assert call(server, "POST", "/detokenize", {"tokens": ids})[2] == {"prompt": "once upon a time"}
+
+
+def test_served_model_names(server, monkeypatch):
+    monkeypatch.setattr(server, "model_names", ["main", "alias"])
+    assert [m["id"] for m in call(server, "GET", "/v1/models")[2]["data"]] == ["main", "alias"]
+    for asked, named in [("alias", "alias"), ("main", "main"), ("other", "main")]:
+        assert call(server, "POST", CHAT, dict(model=asked, messages=HELLO, max_tokens=1))[2]["model"] == named
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -1202,36 +1452,54 @@ def test_help_explains_every_option(capsys):
         parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in ("--ckpt", "--host", "--port", "--policy", "--device", "--dtype", "--num-kv-blocks", "--host-kv-gb",
-                 "--read-rate", "--api-key", "--max-waiting"):
+                 "--read-rate", "--api-key", "--max-waiting", "--served-model-name", "--chat-template",
+                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
+                 "--override-generation-config", "--allowed-origins", "--shutdown-timeout", "--log-level"):
         assert flag in text
 
 
-def test_command_line_reaches_the_engine(ckpt, monkeypatch):
+def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main() builds."""
-    def built_by(*flags: str) -> dict:
-        built = {}
+    request.addfinalizer(lambda: logging.getLogger("nanoflow").setLevel(logging.NOTSET))  # --log-level's
+    def built_by(*flags: str) -> serve.Server:
+        built, make_llm = {}, serve.LLM
 
-        def capture(llm, host, port, **kwargs):
-            built.update(engine=llm.engine, host=host, port=port, **kwargs)
+        def capture(server, llm):
+            built.update(server=server, llm=llm)
             raise KeyboardInterrupt  # stop before serving
 
-        monkeypatch.setattr(serve, "make_server", capture)
+        monkeypatch.setattr(serve.Server, "start", lambda server: server)  # bind, but accept nothing
+        monkeypatch.setattr(serve.Server, "attach", capture)
+        monkeypatch.setattr(serve, "LLM", lambda *a, **kw: (built.update(llm_kwargs=kw), make_llm(*a, **kw))[1])
         with pytest.raises(KeyboardInterrupt):
             serve.main(["--ckpt", str(ckpt), "--device", "cpu", *flags])
+        built["server"].server_close()
         return built
 
-    built = built_by("--host", "127.0.0.2", "--port", "8123", "--policy", "fcfs", "--dtype", "bfloat16",
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}!")
+    built = built_by("--host", "127.0.0.2", "--port", "0", "--policy", "fcfs", "--dtype", "bfloat16",
                      "--num-kv-blocks", "37", "--host-kv-gb", "0.001", "--read-rate", "3.5", "--api-key", "sekrit",
-                     "--max-waiting", "9")
-    engine = built.pop("engine")
+                     "--max-waiting", "9", "--max-model-len", "300", "--max-num-seqs", "5",
+                     "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.5", "--served-model-name",
+                     "a", "b", "--chat-template", str(template), "--allowed-origins", "http://x", "*",
+                     "--override-generation-config", '{"temperature": 0.25}', "--log-level", "warning")
+    engine, server = built["llm"].engine, built["server"]
     block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
     assert engine.kv.kv_cache.device.type == "cpu" and engine.model.model.norm.weight.dtype == torch.bfloat16
     assert engine.scheduler.swapper.host.num_blocks == int(0.001 * (1 << 30)) // block_bytes
-    assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5
-    assert built == dict(host="127.0.0.2", port=8123, model=ckpt.name, api_key="sekrit", max_waiting=9)
-    policy = built_by("--tokenflow", "interval=0.7,mu=3")["engine"].scheduler.policy  # tokenflow is the default
-    assert policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
+    assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5 and engine.max_model_len == 300
+    assert engine.scheduler.max_num_seqs == 5 and engine.scheduler.max_num_batched_tokens == 64
+    assert built["llm_kwargs"]["gpu_memory_utilization"] == 0.5  # the GPU's share: no effect on a CPU
+    assert engine.tokenizer.chat_template == template.read_text()
+    assert server.server_address[0] == "127.0.0.2" and server.model_names == ["a", "b"]
+    assert (server.api_key, server.max_waiting, server.allowed_origins) == ("sekrit", 9, ["http://x", "*"])
+    assert server.generation_config == {"temperature": 0.25}
+    assert logging.getLogger("nanoflow").level == logging.WARNING
+    built = built_by("--tokenflow", "interval=0.7,mu=3")  # tokenflow is the default
+    assert built["llm"].engine.scheduler.policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
+    assert built["server"].model_names == [ckpt.name]
 
 
 def test_read_rates_are_clamped(ckpt):
@@ -1245,23 +1513,26 @@ def test_read_rates_are_clamped(ckpt):
     assert rates == {1e6: (READ_RATE_MAX,) * 2, 1e-3: (READ_RATE_MIN,) * 2, 5.0: (5.0,) * 2, None: (READ_RATE_MAX,) * 2}
 
 
-def test_sigterm_ends_streams_and_exits_0(ckpt):
+def test_sigterm_drains_streams_and_exits_0(ckpt):
     proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port", "0",
                              "--device", "cpu", "--num-kv-blocks", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
     try:
+        assert "loading tiny-llama" in proc.stdout.readline()
         line = proc.stdout.readline()
         assert "serving tiny-llama" in line, proc.stderr.read()
         host, port = line.split("http://")[1].split("/")[0].split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(dict(prompt="hello", max_tokens=400, ignore_eos=True,
+        conn.request("POST", "/v1/completions", json.dumps(dict(prompt="hello", max_tokens=300, ignore_eos=True,
                                                                 stream=True)))
         events = sse(conn.getresponse())
         next(events)
         proc.send_signal(signal.SIGTERM)
-        assert [c for _, c in events][-1] == "[DONE]"
+        chunks = [c for _, c in events]
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"  # it finished
         assert proc.wait(timeout=20) == 0
+        assert "1 requests finished, 0 cut" in proc.stderr.read()
     finally:
         proc.kill()
 

@@ -898,9 +898,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     server = make_server(None, args.host, args.port, model=args.served_model_name or model_id(args.ckpt),
                          api_key=args.api_key, max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
                          generation_config=args.override_generation_config).start()
@@ -909,6 +906,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.chat_template:
         llm.tokenizer.chat_template = args.chat_template.read_text()
     server.attach(llm)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"nanoflow: serving {server.model} at {server.url}/v1", flush=True)
     stop.wait()
     log.info("shutting down: %d requests in flight may finish within %ss", server.num_in_flight,

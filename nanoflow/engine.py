@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .kv import KVPool, build_metadata
-from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint, generation_config,
-                    load_model, sample, token_logprobs)
+from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint,
+                    generation_config, load_model, sample, token_logprobs)
 from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
 
@@ -26,7 +26,7 @@ log = logging.getLogger("nanoflow")
 
 CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
-GPU_MEMORY_UTILIZATION = 0.9  # share of the device for weights + KV (vLLM's default); the rest: activations
+GPU_MEMORY_UTILIZATION = 0.9  # device share for weights + KV (vLLM's default); rest: activations
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min) when a client declares none
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamp, so that nobody buys priority with a huge declared rate
@@ -73,8 +73,9 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} tokens "
-                             "(max_model_len) and generation needs at least one more")
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context is "
+                             f"{self.max_model_len} tokens (max_model_len) and generation needs at "
+                             "least one more")
         if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
             raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
 
@@ -138,16 +139,18 @@ class Engine:
                             torch.tensor(logits_indices, dtype=torch.long, device=self.device))
         reqs = [r for r, _ in samplers]
         tokens = sample(logits, reqs, self.tokenizer.eos_token_ids)
-        num_top = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        if num_top is not None:
-            for req, entry in zip(reqs, token_logprobs(logits, tokens, num_top)):
+        asked = [r for r in reqs if r.params.logprobs is not None]
+        if asked:
+            num_top = max(r.params.logprobs for r in asked)
+            for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, num_top)):
                 if req.params.logprobs is not None:
-                    req.logprobs.append((entry[0], entry[1][:req.params.logprobs]))
+                    req.logprobs.append((logprob, top[:req.params.logprobs]))
         return tokens
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append(token, self.clock())
-        eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids and not req.params.ignore_eos)
+        eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids
+                                                     and not req.params.ignore_eos)
         done = eos or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
         detokenizer = self.detokenizers[req.request_id]
         before = len(req.output_text)
@@ -190,7 +193,8 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, policy: str | Policy = "tokenflow",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
                  read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION):
+                 max_model_len: int | None = None,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION):
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -200,7 +204,8 @@ class LLM:
         cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
         shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
         block_bytes = 2 * math.prod(shape) * dtype.itemsize
-        num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes, gpu_memory_utilization)
+        num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes,
+                                                          gpu_memory_utilization)
         kv = KVPool(num_kv_blocks, *shape, dtype, device)
         num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
         swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
@@ -256,12 +261,14 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def _max_model_len(asked: int | None, context: int, pool_tokens: int) -> int:
-    """The longest request served: the model's context (or less, if asked), at most what the KV pool holds."""
+    """The longest request served: the model's context (or less, if asked), at most the KV pool."""
     if asked is not None and not 0 < asked <= context:
-        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), got {asked}")
+        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), "
+                         f"got {asked}")
     wanted = asked or context
     if pool_tokens < wanted:
-        log.info("max_model_len lowered from %d to %d tokens: what the KV pool holds", wanted, pool_tokens)
+        log.info("max_model_len lowered from %d to %d tokens: what the KV pool holds", wanted,
+                 pool_tokens)
     return min(wanted, pool_tokens)
 
 
@@ -269,7 +276,8 @@ def _blocks_that_fit(device: torch.device, block_bytes: int, utilization: float)
     """Size the KV pool from the memory that is free now (after the weights are loaded)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1 - utilization)  # what the weights and others use now counts against the share
+        # what the weights (and anyone else) use now counts against the share
+        budget = free - total * (1 - utilization)
     else:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(available * CPU_KV_FRACTION, CPU_KV_MAX_BYTES)

@@ -319,7 +319,7 @@ GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pen
 
 
 def generation_config(ckpt: str | Path) -> dict:
-    """The model's own sampling defaults from a checkpoint folder's generation_config.json; GGUF has none."""
+    """The model's own sampling defaults from a folder's generation_config.json; GGUF has none."""
     path = Path(ckpt) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -468,11 +468,11 @@ class IncrementalDetokenizer:
 
 
 def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[int]:
-    """One token per row of fp32 logits [rows, vocab], for requests (`.params`, `.generator`, their tokens).
+    """One token per row of logits [rows, vocab], for requests (`.params`, `.generator`, tokens).
 
-    Greedy rows take the argmax of the processed logits; the others race exponential noise, argmax(p / q)
-    with q ~ Exp(1), which draws from p: in one batched step, seeded rows drawing their noise from their
-    own generator.
+    Greedy rows take the argmax of the processed logits; the others race exponential noise:
+    argmax(p / q) with q ~ Exp(1) draws from p, for the whole batch at once (a seeded row draws its
+    noise from its own generator).
     """
     params = [r.params for r in reqs]
     logits = processed_logits(logits, reqs, eos_token_ids)
@@ -489,39 +489,45 @@ def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[in
 
 
 def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Tensor:
-    """The logits after logit_bias, min_tokens (EOS and stop_token_ids banned) and the penalties (vLLM's)."""
+    """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties (vLLM's)."""
     logits = logits.clone()
     params = [r.params for r in reqs]
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
     if bias:
         rows, ids, values = zip(*bias)
-        logits.index_put_((_tensor(logits, rows), _tensor(logits, ids)), _tensor(logits, values), accumulate=True)
-    banned = [(i, t) for i, (r, p) in enumerate(zip(reqs, params)) if r.num_output_tokens < p.min_tokens
-              for t in (*eos_token_ids, *p.stop_token_ids)]
+        index = (_tensor(logits, rows), _tensor(logits, ids))
+        logits.index_put_(index, _tensor(logits, values), accumulate=True)
+    banned = [(i, t) for i, (r, p) in enumerate(zip(reqs, params))
+              if r.num_output_tokens < p.min_tokens for t in (*eos_token_ids, *p.stop_token_ids)]
     if banned:
         rows, ids = zip(*banned)
         logits[_tensor(logits, rows), _tensor(logits, ids)] = float("-inf")
-    penalized = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params]
+    penalized = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+                 for p in params]
     return _penalize(logits, reqs, penalized) if any(penalized) else logits
 
 
 def _penalize(logits: Tensor, reqs: list, penalized: list[bool]) -> Tensor:
-    """Repetition (prompt and output), frequency and presence (output) penalties, over the whole batch."""
+    """Repetition (prompt and output), frequency and presence (output) penalties, batched."""
     params = [r.params for r in reqs]
-    counts = _token_counts(logits, [r.output_token_ids if on else [] for r, on in zip(reqs, penalized)])
-    in_prompt = _token_counts(logits, [r.prompt_token_ids if on else [] for r, on in zip(reqs, penalized)]) > 0
+    outputs = [r.output_token_ids if on else [] for r, on in zip(reqs, penalized)]
+    counts = _token_counts(logits, outputs)
+    prompts = [r.prompt_token_ids if on else [] for r, on in zip(reqs, penalized)]
+    seen = (_token_counts(logits, prompts) > 0) | (counts > 0)
     rep = _column(logits, [p.repetition_penalty for p in params])
-    logits = torch.where(in_prompt | (counts > 0), torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return (logits - _column(logits, [p.frequency_penalty for p in params]) * counts
             - _column(logits, [p.presence_penalty for p in params]) * (counts > 0))
 
 
 def _token_counts(logits: Tensor, seqs: list[list[int]]) -> Tensor:
-    """[rows, vocab]: how often each token occurs in each row's sequence (one scatter over a padded batch)."""
+    """[rows, vocab]: how often each token occurs in each row's sequence (one scatter, padded)."""
     rows, vocab = logits.shape
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True,
-                                          padding_value=vocab).to(logits.device)
-    counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)  # column `vocab`: padding
+    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs],
+                                             batch_first=True, padding_value=vocab)
+    ids = padded.to(logits.device)
+    # one column more than the vocabulary, for the padding
+    counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
 
 
@@ -534,29 +540,30 @@ def _column(logits: Tensor, values: list) -> Tensor:
 
 
 def sampling_probs(logits: Tensor, params: list) -> Tensor:
-    """Each row's distribution: softmax(logits / temperature), then min_p and top_k (both keep a head of
-    the sorted order), renormalized, then top_p (the smallest head whose mass reaches it)."""
+    """Each row's distribution: softmax(logits / temperature), then min_p and top_k (both keep
+    a head of the sorted order), renormalized, then top_p (the smallest head reaching that mass)."""
     vocab = logits.shape[-1]
     # greedy rows get some valid distribution here; sample() takes their argmax instead
     temperature = _column(logits, [p.temperature or 1.0 for p in params])
     top_k = _column(logits, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_p = _column(logits, [p.top_p if p.top_p < 1 else float("inf") for p in params])
+    min_p = _column(logits, [p.min_p for p in params])
     probs, order = (logits / temperature).softmax(-1).sort(-1, descending=True)
-    keep = (torch.arange(vocab, device=logits.device) < top_k) & (probs >= _column(logits, [p.min_p for p in params])
-                                                                    * probs[:, :1])
+    keep = (torch.arange(vocab, device=logits.device) < top_k) & (probs >= min_p * probs[:, :1])
     probs = probs * keep
     probs = probs / probs.sum(-1, keepdim=True)
     probs = probs * (probs.cumsum(-1) - probs < top_p)
     return torch.zeros_like(probs).scatter_(-1, order, probs / probs.sum(-1, keepdim=True))
 
 
-def token_logprobs(logits: Tensor, tokens: list[int], num_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per row: the chosen token's logprob and the num_top likeliest (id, logprob), from the raw logits (as
-    vLLM reports them: before penalties and temperature)."""
+def token_logprobs(logits: Tensor, tokens: list[int], num_top: int) -> list[tuple[float, list]]:
+    """Per row: the chosen token's logprob and the num_top likeliest (id, logprob), from the raw
+    logits (as vLLM reports them: before penalties and temperature)."""
     logprobs = logits.log_softmax(-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, _column(logits, tokens))[:, 0].tolist()
     top = logprobs.topk(num_top, -1)
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
+    return [(c, list(zip(ids, values)))
+            for c, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
 # ---------------------------------------------------------------- the demo checkpoint

@@ -46,31 +46,37 @@ log = logging.getLogger("nanoflow.serve")
 
 DEMO_MODEL_ID = "SmolLM2-135M-Instruct"  # what /v1/models calls the demo checkpoint
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt sent as token ids fits; a larger body is a mistake: 413
-DRAIN_LIMIT_BYTES = 64 << 20  # after our 413, what the client still sends is read and dropped up to here...
-DRAIN_IDLE_S = 1.0  # ...while it keeps sending (a client that waits for our answer first sends nothing)
+DRAIN_LIMIT_BYTES = 64 << 20  # after our 413, what the client still sends is read and dropped...
+DRAIN_IDLE_S = 1.0  # ...while it keeps sending (a client that waits for our answer sends nothing)
 DEFAULT_MAX_WAITING = 256  # requests still waiting for a first token; more would only wait longer: 503
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before it retries
 POLL_S = 0.05  # how often a waiting connection checks that its client is still there: about one step
 CLIENT_TIMEOUT_S = 60.0  # a client silent this long (slow headers or body, a stream it stopped reading) is dropped
 SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for aborted streams to write their last chunk
 SHUTDOWN_TIMEOUT_S = 30.0  # on SIGTERM, how long requests in flight may finish before they are cut
-KEEPALIVE_S = 5.0  # an SSE comment this often while a stream is paused: proxies drop connections idle ~60 s
+KEEPALIVE_S = 5.0  # an SSE comment this often while a stream is paused: proxies drop idle ones
 MAX_CHOICES = 16  # `n`: copies of one prompt; more would crowd out everyone else's requests
 MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
-# the SamplingParams fields a body sets by name (OpenAI's and vLLM's); `logprobs` differs per endpoint
-SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("max_tokens", "logprobs")]
+LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
+PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
+# the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint
+SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)
+                   if f.name not in ("max_tokens", "logprobs")]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or set to this neutral value
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none", "functions": [],
-               "function_call": "none", "response_format": {"type": "text"}}
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none",
+               "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 # every other field of a body: unknown, ignored with a warning (as vLLM does)
-KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-                "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS, *UNSUPPORTED}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+                "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
+                *UNSUPPORTED}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
-LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow", "max_model_len",
-               "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")  # CLI flags for LLM(...)
+LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
+               "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "gpu_memory_utilization")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):
@@ -96,11 +102,11 @@ class ClientGone(ConnectionError):
 
 @dataclass
 class Event:
-    """What the engine thread tells a connection: choice `index`'s new text and, at the end, why it stopped."""
+    """What the engine thread tells a connection: a choice's new text; at the end, its finish."""
 
     index: int = 0
     text: str = ""
-    logprobs: list = field(default_factory=list)  # (token id, (logprob, top alternatives)) per new token
+    logprobs: list = field(default_factory=list)  # per new token: (id, (logprob, top alternatives))
     finish_reason: str | None = None
     completion_tokens: int = 0  # at the end
     error: HTTPError | None = None
@@ -187,12 +193,14 @@ class EngineLoop(threading.Thread):
             self.snapshot = self.engine.stats()
         return True
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: Stream) -> None:
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+             stream: Stream) -> None:
         try:
             stream.request = self.engine.add_request(prompt_ids, params, request_id)
         except Exception as e:  # validated already; whatever still fails is this request's problem alone
             self._unqueue(stream)
-            stream.events.put(Event(error=HTTPError(400 if isinstance(e, ValueError) else 500, str(e))))
+            error = HTTPError(400 if isinstance(e, ValueError) else 500, str(e))
+            stream.events.put(Event(error=error))
             return
         self.streams[request_id] = stream
 
@@ -205,9 +213,10 @@ class EngineLoop(threading.Thread):
         """Send the text the request added since last time; at the end, its finish reason and usage."""
         req = stream.request
         text = req.stream_text()
-        new_tokens = req.output_token_ids[stream.sent_tokens:] if req.params.logprobs is not None else []
-        event = Event(stream.index, text[stream.sent:], list(zip(new_tokens, req.logprobs[stream.sent_tokens:])),
-                      req.finish_reason, req.num_output_tokens, error)
+        sent = stream.sent_tokens
+        logprobs = list(zip(req.output_token_ids[sent:], req.logprobs[sent:]))  # [] unless asked
+        event = Event(stream.index, text[stream.sent:], logprobs, req.finish_reason,
+                      req.num_output_tokens, error)
         stream.sent = len(text)
         stream.sent_tokens = req.num_output_tokens
         if stream.queued and (req.num_output_tokens or req.is_finished):
@@ -347,7 +356,8 @@ def chat_messages(body: dict) -> list[dict]:
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
             raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` (or text parts)")
         if m["role"] not in ROLES:
-            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of {', '.join(ROLES)}")
+            roles = ", ".join(ROLES)
+            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of {roles}")
         out.append({"role": ROLES[m["role"]], "content": content})
     return out
 
@@ -365,17 +375,19 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
     if not tokenizer.chat_template:
-        raise HTTPError(400, "this model has no chat template; send a plain prompt to /v1/completions")
+        raise HTTPError(400, "this model has no chat template; use /v1/completions with a prompt")
     try:
         return tokenizer.apply_chat_template(chat_messages(body))
     except (ValueError, TemplateError) as e:
         raise HTTPError(400, f"cannot apply the chat template: {e}") from None
 
 
-def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict, chat: bool) -> SamplingParams:
-    """SamplingParams from the body's OpenAI fields over the model's defaults; what cannot be honoured: 400."""
+def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
+                    chat: bool) -> SamplingParams:
+    """SamplingParams from the body's OpenAI fields over the defaults; a 400 if out of reach"""
     fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
-    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                       if body.get(k) is not None), None)
     room = engine.max_model_len - len(ids)
     try:  # by default, up to the end of the context (as OpenAI and vLLM do)
         params = SamplingParams(max_tokens=max(1, room) if max_tokens is None else max_tokens,
@@ -384,14 +396,15 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict, 
     except (ValueError, TypeError) as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
     if params.max_tokens > room:
-        raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has {len(ids)} and "
-                             f"max_tokens asks for {params.max_tokens} more; ask for at most {room}",
+        raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
+                             f"{len(ids)} and max_tokens asks for {params.max_tokens} more; ask "
+                             f"for at most {room}",
                         "context_length_exceeded")
     return params
 
 
 def num_logprobs(body: dict, chat: bool) -> int | None:
-    """Alternatives per token: chat says `logprobs: true` and `top_logprobs: k`; completions `logprobs: k`."""
+    """Alternatives: chat's `logprobs: true, top_logprobs: k`, completions' `logprobs: k`."""
     if not chat:
         return body.get("logprobs")
     if body.get("top_logprobs") is not None and not flag(body, "logprobs"):
@@ -400,12 +413,12 @@ def num_logprobs(body: dict, chat: bool) -> int | None:
 
 
 def choices(body: dict, params: SamplingParams) -> list[SamplingParams]:
-    """`n` copies of the request; seeded, choice i samples with seed + i (so that the choices differ)."""
+    """`n` copies of the request; seeded, choice i samples with seed + i (so that they differ)."""
     n = 1 if body.get("n") is None else body["n"]
     if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES):
         raise HTTPError(400, f"`n` must be an integer in [1, {MAX_CHOICES}]")
-    seed = params.seed
-    return [dataclasses.replace(params, seed=None if seed is None else (seed + i) % 2**64) for i in range(n)]
+    seeds = [None] * n if params.seed is None else [(params.seed + i) % 2**64 for i in range(n)]
+    return [dataclasses.replace(params, seed=seed) for seed in seeds]
 
 
 @dataclass
@@ -419,37 +432,39 @@ class Reply:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _object(self, kind: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+    def _object(self, choices: list, whole: bool = False, **extra) -> dict:
+        chat_kind = "chat.completion" if whole else "chat.completion.chunk"
+        return {"id": self.id, "object": chat_kind if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _choice(self, index: int, finish_reason: str | None, logprobs: list | None, **content) -> dict:
-        shaped = None if logprobs is None else (chat_logprobs if self.chat else text_logprobs)(logprobs, self.tokenizer)
+    def _choice(self, index: int, finish_reason: str | None, logprobs: list | None,
+                **content) -> dict:
+        shape = chat_logprobs if self.chat else text_logprobs
+        shaped = None if logprobs is None else shape(logprobs, self.tokenizer)
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
     def chunk(self, event: Event, role: bool = False) -> dict:
         usage = {"usage": None} if self.include_usage else {}
-        reason, logprobs = event.finish_reason, event.logprobs or None
-        if not self.chat:
-            choice = self._choice(event.index, reason, logprobs, text=event.text)
-            return self._object("text_completion", [choice], **usage)
-        delta = {"role": "assistant", "content": ""} if role else {"content": event.text} if event.text else {}
-        choice = self._choice(event.index, reason, logprobs, delta=delta)
-        return self._object("chat.completion.chunk", [choice], **usage)
+        text = {"content": event.text} if event.text else {}
+        delta = {"role": "assistant", "content": ""} if role else text
+        content = {"delta": delta} if self.chat else {"text": event.text}
+        choice = self._choice(event.index, event.finish_reason, event.logprobs or None, **content)
+        return self._object([choice], **usage)
 
     def usage_chunk(self, usage: dict) -> dict:
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
+        return self._object([], usage=usage)
 
     def whole(self, events: list[Event], logprobs: bool, usage: dict) -> dict:
-        """The answer from each choice's Events: text and logprobs joined, the last one's finish reason."""
+        """Each choice from its Events: text and logprobs joined, the last one's finish reason."""
         out = []
         for i in range(len({e.index for e in events})):
             mine = [e for e in events if e.index == i]
             text = "".join(e.text for e in mine)
             tokens = [t for e in mine for t in e.logprobs] if logprobs else None
-            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            message = {"role": "assistant", "content": text}
+            content = {"message": message} if self.chat else {"text": text}
             out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
-        return self._object("chat.completion" if self.chat else "text_completion", out, usage=usage)
+        return self._object(out, whole=True, usage=usage)
 
 
 def chat_logprobs(tokens: list, tokenizer) -> dict:
@@ -458,11 +473,12 @@ def chat_logprobs(tokens: list, tokenizer) -> dict:
         text = tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in top]} for t, (lp, top) in tokens]}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in top]}
+                        for t, (lp, top) in tokens]}
 
 
 def text_logprobs(tokens: list, tokenizer) -> dict:
-    """OpenAI's completions shape: parallel lists of tokens, their logprobs, top alternatives, offsets."""
+    """OpenAI's completions shape: lists of tokens, their logprobs, top alternatives, offsets."""
     texts = [tokenizer.decode([t]) for t, _ in tokens]
     offsets = list(itertools.accumulate(map(len, texts), initial=0))[:-1]
     return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
@@ -492,25 +508,27 @@ class Handler(BaseHTTPRequestHandler):
         return ok
 
     def _dispatch(self) -> None:
-        # `//v1//models/` is `/v1/models` (clients join a base URL that ends in / with a path that starts with one)
+        # `//v1//models/` is `/v1/models`: clients join a base URL ending in / and a path with one
         path = re.sub("/+", "/", self.path.partition("?")[0]).rstrip("/") or "/"
         try:
             length = self._content_length()
-            if length > MAX_BODY_BYTES:  # say so now: the client may be waiting for us before it sends the body
-                self._send_error(HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}"))
+            if length > MAX_BODY_BYTES:  # say so now: the client may wait for us to send the body
+                error = HTTPError(413, f"the body has {length} bytes; the limit: {MAX_BODY_BYTES}")
+                self._send_error(error)
                 return self._discard(length)
             if path not in ROUTES:
-                raise HTTPError(404, f"no such path: {path}; see /v1/chat/completions, /v1/completions, "
-                                     "/v1/models, /tokenize, /detokenize, /health, /metrics")
+                raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
             method, endpoint = ROUTES[path]
             if self.command == "OPTIONS":  # a browser's CORS preflight: no key, no body
-                return self._send(204, b"", None, {"Allow": f"{method}, OPTIONS", **self._preflight(method)})
-            if self.server.api_key and path != "/health":  # load balancers probe /health without a key
+                preflight = {"Allow": f"{method}, OPTIONS", **self._preflight(method)}
+                return self._send(204, b"", None, preflight)
+            if self.server.api_key and path != "/health":  # load balancers probe /health keyless
                 self._authenticate()
             if self.command != method:
                 raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
             if self.server.engine is None and path != "/health":
-                raise HTTPError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
+                raise HTTPError(503, "the model is still loading",
+                                headers={"Retry-After": str(LOADING_RETRY_S)})
             endpoint(self)
         except HTTPError as e:
             self._send_error(e)
@@ -523,20 +541,23 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", "invalid_api_key")
 
     def _allowed_origin(self) -> str | None:
-        """What Access-Control-Allow-Origin says to this request's Origin: None if it is not allowed."""
+        """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
         headers = getattr(self, "headers", None)  # none yet when the request line itself was bad
         origin, allowed = headers.get("Origin") if headers else None, self.server.allowed_origins
-        return None if origin is None else "*" if "*" in allowed else origin if origin in allowed else None
+        if origin is None or not ("*" in allowed or origin in allowed):
+            return None
+        return "*" if "*" in allowed else origin
 
     def _preflight(self, method: str) -> dict:
         if not self._allowed_origin():
             return {}
         asked = self.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
-        return {"Access-Control-Allow-Methods": f"{method}, OPTIONS", "Access-Control-Allow-Headers": asked,
-                "Access-Control-Max-Age": "600"}
+        return {"Access-Control-Allow-Methods": f"{method}, OPTIONS",
+                "Access-Control-Allow-Headers": asked,
+                "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)}
 
     def end_headers(self) -> None:
-        """Every response says which request it answers and, to an allowed origin, that it may read it."""
+        """Every response names the request it answers; an allowed origin is told it may read it."""
         self.send_header("X-Request-Id", self.request_id or uuid.uuid4().hex)
         if origin := self._allowed_origin():
             self.send_header("Access-Control-Allow-Origin", origin)
@@ -553,9 +574,10 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"status": "ok"})
 
     def models(self) -> None:
+        engine = self.server.engine
         self._send_json(200, {"object": "list", "data": [
             {"id": name, "object": "model", "created": self.server.created, "owned_by": "nanoflow",
-             "max_model_len": self.server.engine.max_model_len} for name in self.server.model_names]})
+             "max_model_len": engine.max_model_len} for name in self.server.model_names]})
 
     def metrics(self) -> None:
         loop = self.server.loop
@@ -578,16 +600,20 @@ class Handler(BaseHTTPRequestHandler):
         """vLLM's /tokenize: a `prompt` or chat `messages` to token ids."""
         body = self._read_json()
         engine = self.server.engine
-        ids = chat_prompt(body, engine.tokenizer) if "messages" in body else prompt_ids(body.get("prompt"),
-                                                                                          engine.tokenizer)
-        strs = [engine.tokenizer.tk.id_to_token(t) for t in ids] if flag(body, "return_token_strs") else None
-        self._send_json(200, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+        tokenizer = engine.tokenizer
+        chat = "messages" in body
+        ids = chat_prompt(body, tokenizer) if chat else prompt_ids(body.get("prompt"), tokenizer)
+        strs = [tokenizer.tk.id_to_token(t) for t in ids] if flag(body, "return_token_strs") \
+            else None
+        self._send_json(200, {"count": len(ids), "max_model_len": engine.max_model_len,
+                              "tokens": ids,
                               "token_strs": strs})
 
     def detokenize(self) -> None:
         """vLLM's /detokenize: token ids to text."""
         tokens, vocab = self._read_json().get("tokens"), self.server.engine.config.vocab_size
-        if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < vocab for t in tokens)):
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < vocab
+                                                 for t in tokens)):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self._send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
 
@@ -600,9 +626,11 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
-        reply = Reply(reply_id, model, chat, server.engine.tokenizer, stream and flag(options, "include_usage"))
+        include_usage = stream and flag(options, "include_usage")
+        reply = Reply(reply_id, model, chat, server.engine.tokenizer, include_usage)
         params = choices(body, sampling_params(body, ids, server.engine, server.defaults, chat))
-        request_ids = [reply.id] if len(params) == 1 else [f"{reply.id}-{i}" for i in range(len(params))]
+        n = len(params)
+        request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
             events = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
@@ -611,7 +639,7 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:  # the client left (ClientGone, a broken pipe, a reset, a write timeout)
                 self.close_connection = True
             finally:
-                for request_id in request_ids:  # a no-op once finished; frees it at once if its client left
+                for request_id in request_ids:  # frees it now if its client left
                     server.loop.abort(request_id)
 
     def _stream(self, reply: Reply, events: Iterator[Event], num_prompt: int, params: list) -> None:
@@ -645,12 +673,13 @@ class Handler(BaseHTTPRequestHandler):
         if errors := [e.error for e in got if e.error]:
             raise errors[0]
         logprobs = params[0].logprobs is not None
-        self._send_json(200, reply.whole(got, logprobs, usage(num_prompt, [e for e in got if e.finish_reason])))
+        finished = [e for e in got if e.finish_reason]
+        self._send_json(200, reply.whole(got, logprobs, usage(num_prompt, finished)))
 
     def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[Event]:
-        """The Events of n choices until each has its last; raises ClientGone as soon as the client has left.
+        """The Events of n choices until each has its last; raises ClientGone once the client left.
 
-        A stream that gets nothing for KEEPALIVE_S (tokenflow pauses it on purpose) gets an SSE comment.
+        A stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment.
         """
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
@@ -691,7 +720,7 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def _discard(self, size: int) -> None:
-        """After a 413: read and drop what the client still sends, so that it reads our answer, not a reset."""
+        """After a 413: read and drop what the client still sends, so that it reads our answer."""
         left = min(size, DRAIN_LIMIT_BYTES)
         self.connection.settimeout(DRAIN_IDLE_S)
         try:
@@ -706,9 +735,11 @@ class Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _send(self, status: int, data: bytes, content_type: str | None, headers: dict | None = None) -> None:
+    def _send(self, status: int, data: bytes, content_type: str | None,
+              headers: dict | None = None) -> None:
         self.send_response(status)
-        for name, value in {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {})}.items():
+        standard = {"Content-Type": content_type, "Content-Length": str(len(data))}
+        for name, value in {**standard, **(headers or {})}.items():
             if value is not None:
                 self.send_header(name, value)
         self.end_headers()
@@ -729,7 +760,8 @@ class Handler(BaseHTTPRequestHandler):
 
 def usage(num_prompt: int, finished: list[Event]) -> dict:
     completion = sum(e.completion_tokens for e in finished)
-    return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
+    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
+            "total_tokens": num_prompt + completion}
 
 
 # path -> (method, endpoint): every route the server answers
@@ -752,12 +784,13 @@ def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
 class Server(ThreadingHTTPServer):
     """The HTTP server with its engine thread and metrics; `start()` serves in the background.
 
-    It may start before the model has loaded (`attach` gives it the engine): /health says 503 till then.
+    It may listen before the model has loaded (`attach` brings the engine): /health says 503.
     """
 
     request_queue_size = 128  # listen backlog: a burst of clients connects at once (the default is 5)
 
-    def __init__(self, host: str, port: int, model_names: list[str], api_key: str | None, max_waiting: int,
+    def __init__(self, host: str, port: int, model_names: list[str], api_key: str | None,
+                 max_waiting: int,
                  allowed_origins: list[str], generation_config: dict):
         super().__init__((host, port), Handler)
         self.model_names, self.api_key, self.max_waiting = model_names, api_key, max_waiting
@@ -766,7 +799,7 @@ class Server(ThreadingHTTPServer):
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
-        self.defaults: dict = {}  # sampling defaults: the model's generation_config, overridden by ours
+        self.defaults: dict = {}  # sampling defaults: the model's generation_config, then ours
         self.idle = threading.Condition()
         self.num_in_flight = 0  # connections with a request in the engine
 
@@ -798,8 +831,8 @@ class Server(ThreadingHTTPServer):
         return self
 
     def shutdown(self, timeout: float = 0.0) -> tuple[int, int]:
-        """Refuse new requests (503), let those in flight finish for up to `timeout` s, end the rest (streams
-        get a last chunk and [DONE]), stop the engine, stop listening. Returns (finished, cut)."""
+        """Refuse new requests (503), let those in flight finish for up to `timeout` s, end the rest
+        (streams get a last chunk and [DONE]), stop the engine, stop listening: (finished, cut)."""
         if self.loop:
             with self.loop.lock:
                 self.loop.stopping = True
@@ -827,13 +860,15 @@ class Server(ThreadingHTTPServer):
                 self.idle.notify_all()
 
 
-def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000, *, model: str | list[str] = DEMO_MODEL_ID,
-                api_key: str | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
-                allowed_origins: list[str] = (), generation_config: dict | None = None) -> Server:
-    """A server for `llm` (or, until `attach`, for none) on host:port (0 picks a free port); call `.start()`,
-    later `.shutdown()`. `generation_config` overrides the model's sampling defaults."""
+def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000, *,
+                model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
+                max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
+                generation_config: dict | None = None) -> Server:
+    """A server for `llm` (or, until `attach`, for none) on host:port (0 picks a free port); call
+    `.start()`, later `.shutdown()`. `generation_config` overrides the model's sampling defaults."""
     names = [model] if isinstance(model, str) else list(model)
-    server = Server(host, port, names, api_key, max_waiting, list(allowed_origins), generation_config or {})
+    server = Server(host, port, names, api_key, max_waiting, list(allowed_origins),
+                    generation_config or {})
     return server.attach(llm) if llm is not None else server
 
 
@@ -853,28 +888,27 @@ def json_object(text: str) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible server for "
-                                "nanoflow: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, "
-                                "/health, /metrics.")
+                                f"nanoflow: {', '.join(ROUTES)}.")
     p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file; default: the demo "
                    f"{DEMO_MODEL_ID}, downloaded once")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
                    "only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the model's names in the API, the first in answers (default: the checkpoint's name)")
-    p.add_argument("--chat-template", type=Path, metavar="FILE", help="a jinja2 chat template to use instead of "
-                   "the model's own")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's names in "
+                   "the API, the first in answers (default: the checkpoint's name)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a jinja2 chat template to use instead of the model's own")
     p.add_argument("--policy", choices=["tokenflow", "fcfs"], help="scheduling policy (default: the engine's; "
                    "fcfs is the vLLM/SGLang baseline)")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default: the model's "
-                   "context, lowered to what the KV pool holds)")
-    p.add_argument("--max-num-seqs", type=int, help="requests in one step at most (default: the engine's, 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step at most (default: the "
-                   "engine's, 2048)")
-    p.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU for weights + KV cache "
-                   "(default: 0.9)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default: "
+                   "the model's context, lowered to what the KV pool holds)")
+    p.add_argument("--max-num-seqs", type=int, help="requests in one step at most (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per step at most (default: 2048)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="share of the GPU for weights + KV cache (default: 0.9)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks in device memory (default: what free memory holds)")
     p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "
@@ -882,14 +916,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenflow", type=TokenFlowConfig.parse, metavar="KEY=VALUE,...",
                    help=f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})")
     p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
-                   help='sampling defaults over the model\'s generation_config.json, e.g. \'{"temperature": 0.7}\'')
+                   help="sampling defaults over the model's generation_config.json, "
+                   'e.g. \'{"temperature": 0.7}\'')
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every path but /health")
-    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins allowed to "
-                   "call the API (CORS), e.g. http://localhost:3000, or * for any (default: none)")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser "
+                   "origins allowed to call the API (CORS), e.g. http://localhost:3000, or * "
+                   "(default: none)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests waiting for their "
                    "first token beyond which new ones get 503 with Retry-After (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds the "
-                   "requests in flight may take to finish before they are cut (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, "
+                   "seconds the requests in flight may take to finish before they are cut "
+                   "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -898,8 +935,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
-    server = make_server(None, args.host, args.port, model=args.served_model_name or model_id(args.ckpt),
-                         api_key=args.api_key, max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
+    names = args.served_model_name or model_id(args.ckpt)
+    server = make_server(None, args.host, args.port, model=names, api_key=args.api_key,
+                         max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
                          generation_config=args.override_generation_config).start()
     print(f"nanoflow: loading {server.model} at {server.url}/v1", flush=True)
     llm = LLM(args.ckpt, **{k: getattr(args, k) for k in LLM_OPTIONS if getattr(args, k) is not None})

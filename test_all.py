@@ -181,6 +181,8 @@ def test_errors_name_the_problem(tmp_path, tiny):
         llm.generate([[5] * 200], GREEDY)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(path, device="cpu", num_kv_blocks=8, max_model_len=600)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(path, device="cpu", gpu_memory_utilization=1.5)
     for bad, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
                        (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"),
                        (dict(seed="x"), "seed"), (dict(min_p=2), "min_p"), (dict(presence_penalty=3), "presence"),

@@ -373,7 +373,10 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
     raise HTTPError(400, "`prompt` must be a string or a list of token ids (one prompt per request)")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
+    """Token ids: chat `messages` through the chat template, or `prompt` (text or ids)."""
+    if not chat:
+        return prompt_ids(body.get("prompt"), tokenizer)
     if not tokenizer.chat_template:
         raise HTTPError(400, "this model has no chat template; use /v1/completions with a prompt")
     try:
@@ -585,29 +588,20 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     def chat_completions(self) -> None:
-        body = self._read_json()
-        check_fields(body, self.request_id)
-        ids = chat_prompt(body, self.server.engine.tokenizer)
-        self._generate(body, ids, f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+        self._generate(chat=True)
 
     def completions(self) -> None:
-        body = self._read_json()
-        check_fields(body, self.request_id)
-        ids = prompt_ids(body.get("prompt"), self.server.engine.tokenizer)
-        self._generate(body, ids, f"cmpl-{uuid.uuid4().hex}", chat=False)
+        self._generate(chat=False)
 
     def tokenize(self) -> None:
         """vLLM's /tokenize: a `prompt` or chat `messages` to token ids."""
-        body = self._read_json()
-        engine = self.server.engine
+        body, engine = self._read_json(), self.server.engine
         tokenizer = engine.tokenizer
-        chat = "messages" in body
-        ids = chat_prompt(body, tokenizer) if chat else prompt_ids(body.get("prompt"), tokenizer)
+        ids = prompt_of(body, tokenizer, chat="messages" in body)
         strs = [tokenizer.tk.id_to_token(t) for t in ids] if flag(body, "return_token_strs") \
             else None
         self._send_json(200, {"count": len(ids), "max_model_len": engine.max_model_len,
-                              "tokens": ids,
-                              "token_strs": strs})
+                              "tokens": ids, "token_strs": strs})
 
     def detokenize(self) -> None:
         """vLLM's /detokenize: token ids to text."""
@@ -619,15 +613,18 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- generation
 
-    def _generate(self, body: dict, ids: list[int], reply_id: str, chat: bool) -> None:
-        server = self.server
+    def _generate(self, chat: bool) -> None:
+        server, body = self.server, self._read_json()
+        check_fields(body, self.request_id)
+        tokenizer = server.engine.tokenizer
+        ids = prompt_of(body, tokenizer, chat)
         stream = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
-        include_usage = stream and flag(options, "include_usage")
-        reply = Reply(reply_id, model, chat, server.engine.tokenizer, include_usage)
+        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        reply = Reply(reply_id, model, chat, tokenizer, stream and flag(options, "include_usage"))
         params = choices(body, sampling_params(body, ids, server.engine, server.defaults, chat))
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
@@ -635,7 +632,7 @@ class Handler(BaseHTTPRequestHandler):
             events = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
                 answer = self._stream if stream else self._answer
-                answer(reply, self._events(events, len(params), keepalive=stream), len(ids), params)
+                answer(reply, self._events(events, n, keepalive=stream), len(ids), params)
             except OSError:  # the client left (ClientGone, a broken pipe, a reset, a write timeout)
                 self.close_connection = True
             finally:

@@ -1290,6 +1290,8 @@ def test_logprobs_are_the_models_own(server, ckpt):
             top.values.tolist())] == [pytest.approx(d, abs=1e-4) for d in done.top_logprobs]
     assert [t for p in pieces for t in p.tokens] == done.tokens
     assert [x for p in pieces for x in p.token_logprobs] == done.token_logprobs
+    assert [x for p in pieces for x in p.text_offset] == done.text_offset == [
+        len("".join(done.tokens[:i])) for i in range(6)]
 
     chat_args = dict(model="tiny", messages=HELLO, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
                      extra_body={"ignore_eos": True})

@@ -490,18 +490,18 @@ def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[in
 
 def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Tensor:
     """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties (vLLM's)."""
-    logits = logits.clone()
     params = [r.params for r in reqs]
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
     if bias:
         rows, ids, values = zip(*bias)
         index = (_tensor(logits, rows), _tensor(logits, ids))
-        logits.index_put_(index, _tensor(logits, values), accumulate=True)
+        logits = logits.index_put(index, _tensor(logits, values), accumulate=True)
     banned = [(i, t) for i, (r, p) in enumerate(zip(reqs, params))
               if r.num_output_tokens < p.min_tokens for t in (*eos_token_ids, *p.stop_token_ids)]
     if banned:
         rows, ids = zip(*banned)
-        logits[_tensor(logits, rows), _tensor(logits, ids)] = float("-inf")
+        index = (_tensor(logits, rows), _tensor(logits, ids))
+        logits = logits.index_put(index, _tensor(logits, float("-inf")).expand(len(rows)))
     penalized = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
                  for p in params]
     return _penalize(logits, reqs, penalized) if any(penalized) else logits
@@ -545,6 +545,8 @@ def sampling_probs(logits: Tensor, params: list) -> Tensor:
     vocab = logits.shape[-1]
     # greedy rows get some valid distribution here; sample() takes their argmax instead
     temperature = _column(logits, [p.temperature or 1.0 for p in params])
+    if all(p.top_k in (-1, 0) and p.top_p == 1 and p.min_p == 0 for p in params):
+        return (logits / temperature).softmax(-1)  # nothing to cut: no sort
     top_k = _column(logits, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_p = _column(logits, [p.top_p if p.top_p < 1 else float("inf") for p in params])
     min_p = _column(logits, [p.min_p for p in params])

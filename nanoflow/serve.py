@@ -214,7 +214,8 @@ class EngineLoop(threading.Thread):
         req = stream.request
         text = req.stream_text()
         sent = stream.sent_tokens
-        logprobs = list(zip(req.output_token_ids[sent:], req.logprobs[sent:]))  # [] unless asked
+        new_ids = req.token_ids[len(req.prompt_token_ids) + sent:] if req.logprobs else []
+        logprobs = list(zip(new_ids, req.logprobs[sent:]))
         event = Event(stream.index, text[stream.sent:], logprobs, req.finish_reason,
                       req.num_output_tokens, error)
         stream.sent = len(text)
@@ -434,6 +435,7 @@ class Reply:
     tokenizer: object
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    text_sent: Counter = field(default_factory=Counter)  # per choice: characters with logprobs sent
 
     def _object(self, choices: list, whole: bool = False, **extra) -> dict:
         chat_kind = "chat.completion" if whole else "chat.completion.chunk"
@@ -442,8 +444,13 @@ class Reply:
 
     def _choice(self, index: int, finish_reason: str | None, logprobs: list | None,
                 **content) -> dict:
-        shape = chat_logprobs if self.chat else text_logprobs
-        shaped = None if logprobs is None else shape(logprobs, self.tokenizer)
+        if logprobs is None:
+            shaped = None
+        elif self.chat:
+            shaped = chat_logprobs(logprobs, self.tokenizer)
+        else:  # offsets count from the start of the choice's text, across chunks too
+            shaped = text_logprobs(logprobs, self.tokenizer, self.text_sent[index])
+            self.text_sent[index] += sum(map(len, shaped["tokens"]))
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
     def chunk(self, event: Event, role: bool = False) -> dict:
@@ -480,10 +487,10 @@ def chat_logprobs(tokens: list, tokenizer) -> dict:
                         for t, (lp, top) in tokens]}
 
 
-def text_logprobs(tokens: list, tokenizer) -> dict:
+def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
     """OpenAI's completions shape: lists of tokens, their logprobs, top alternatives, offsets."""
     texts = [tokenizer.decode([t]) for t, _ in tokens]
-    offsets = list(itertools.accumulate(map(len, texts), initial=0))[:-1]
+    offsets = list(itertools.accumulate(map(len, texts), initial=start))[:-1]
     return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
             "top_logprobs": [{tokenizer.decode([i]): v for i, v in top} for _, (_, top) in tokens],
             "text_offset": offsets}
@@ -806,10 +813,6 @@ class Server(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     @property
-    def model(self) -> str:
-        return self.model_names[0]
-
-    @property
     def state(self) -> str:
         return "loading" if self.loop is None else "draining" if self.loop.stopping else "serving"
 
@@ -932,11 +935,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
-    names = args.served_model_name or model_id(args.ckpt)
+    names = args.served_model_name or [model_id(args.ckpt)]
     server = make_server(None, args.host, args.port, model=names, api_key=args.api_key,
                          max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
                          generation_config=args.override_generation_config).start()
-    print(f"nanoflow: loading {server.model} at {server.url}/v1", flush=True)
+    print(f"nanoflow: loading {names[0]} at {server.url}/v1", flush=True)
     llm = LLM(args.ckpt, **{k: getattr(args, k) for k in LLM_OPTIONS if getattr(args, k) is not None})
     if args.chat_template:
         llm.tokenizer.chat_template = args.chat_template.read_text()
@@ -944,7 +947,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"nanoflow: serving {server.model} at {server.url}/v1", flush=True)
+    print(f"nanoflow: serving {names[0]} at {server.url}/v1", flush=True)
     stop.wait()
     log.info("shutting down: %d requests in flight may finish within %ss", server.num_in_flight,
              args.shutdown_timeout)

@@ -1255,7 +1255,8 @@ def test_unknown_fields_are_ignored_with_a_warning_and_top_k_0_is_off(server, mo
     got = capture_params(server, monkeypatch)
     body = dict(prompt="hi", max_tokens=2, top_k=0, frobnicate=1, zz_top=True, user="me")
     assert call(server, "POST", "/v1/completions", body, {"X-Request-Id": "rid-7"})[0] == 200
-    assert call(server, "POST", "/v1/completions", dict(prompt="hi", max_tokens=2, top_k=-1))[0] == 200
+    off = dict(prompt="hi", max_tokens=2, top_k=-1)
+    assert call(server, "POST", "/v1/completions", off)[0] == 200
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["rid-7: ignoring unknown fields frobnicate, zz_top"]
     assert [p.top_k for _, p in got] == [0, -1]

@@ -198,7 +198,8 @@ class LLM:
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], got {gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], "
+                             f"got {gpu_memory_utilization}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
         model, self.tokenizer = load_model(ckpt, device, _dtype(dtype))

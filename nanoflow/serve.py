@@ -388,7 +388,7 @@ def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
                     chat: bool) -> SamplingParams:
-    """SamplingParams from the body's OpenAI fields over the defaults; a 400 if out of reach"""
+    """SamplingParams from the body's OpenAI fields over the defaults; a 400 if they cannot run."""
     fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
                        if body.get(k) is not None), None)
@@ -397,7 +397,7 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
         params = SamplingParams(max_tokens=max(1, room) if max_tokens is None else max_tokens,
                                 logprobs=num_logprobs(body, chat), **fields)
         engine.check_prompt(ids, params)
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
     if params.max_tokens > room:
         raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
@@ -819,6 +819,7 @@ class Server(ThreadingHTTPServer):
     def attach(self, llm: LLM) -> "Server":
         """Serve `llm` from now on."""
         self.defaults = {**llm.generation_config, **self.generation_config}
+        SamplingParams(**self.defaults)  # a bad override fails here, not in every request
         if self.defaults:
             log.info("sampling defaults where a request says nothing: %s", self.defaults)
         self.engine = llm.engine

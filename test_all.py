@@ -6,6 +6,7 @@ kernels, an uninterrupted run for anything that batches, chunks or preempts.
 
 import http.client
 import json
+import logging
 import os
 import random
 import signal
@@ -29,7 +30,8 @@ from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
 from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
 from nanoflow.kv import KVPool  # noqa: E402
-from nanoflow.model import IncrementalDetokenizer, demo_checkpoint, sample  # noqa: E402
+from nanoflow.model import (IncrementalDetokenizer, demo_checkpoint, generation_config,  # noqa
+                            processed_logits, sample, sampling_probs)
 from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402
@@ -174,17 +176,30 @@ def test_small_pool_preempts_and_frees_everything(tiny, policy):
 def test_errors_name_the_problem(tmp_path, tiny):
     path, _ = tiny
     llm = LLM(path, device="cpu", num_kv_blocks=8)
-    with pytest.raises(ValueError, match="context"):
-        llm.generate([[5] * 600], GREEDY)
-    with pytest.raises(ValueError, match="KV blocks"):
-        llm.generate([[5] * 100], SamplingParams(max_tokens=100))
+    assert llm.engine.max_model_len == 8 * 16  # the context (512), lowered to what the pool holds
+    with pytest.raises(ValueError, match="context is 128"):
+        llm.generate([[5] * 200], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, device="cpu", num_kv_blocks=8, max_model_len=600)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(path, device="cpu", gpu_memory_utilization=1.5)
     for bad, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-                       (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"), (dict(stop=[""]), "stop"),
-                       (dict(seed="x"), "seed")]:
+                       (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+                       (dict(stop=[""]), "stop"), (dict(seed="x"), "seed"),
+                       (dict(min_p=2), "min_p"),
+                       (dict(presence_penalty=3), "presence"),
+                       (dict(repetition_penalty=0), "repetition"),
+                       (dict(logit_bias={"a": 1}), "logit_bias"),
+                       (dict(logit_bias={5: 101}), "logit_bias"),
+                       (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+                       (dict(stop_token_ids=[-1]), "stop_token_ids"),
+                       (dict(logprobs=21), "logprobs")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([[5]], SamplingParams(logit_bias={10 ** 6: 1}))
     # a broken checkpoint: wrong architecture, then a missing tensor
     cfg = json.loads((path / "config.json").read_text())
     bad = tmp_path / "bad"
@@ -255,10 +270,12 @@ def test_a_request_ends_with_length_exactly_at_the_context(tiny):
 SAMPLER_PROBS = [0.04, 0.4, 0.1, 0.25, 0.06, 0.15]  # a vocabulary of 6, not sorted: order must not matter
 
 
-def expected_probs(temperature: float, top_k: int, top_p: float) -> list[float]:
-    """The sampling distribution by definition (vLLM's): p^(1/T) renormalized, the top_k likeliest kept, then
-    the smallest set of those whose mass reaches top_p."""
+def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> list[float]:
+    """The sampling distribution by definition (vLLM's): p^(1/T) renormalized, the tokens at
+    least min_p times as likely as the likeliest, of those the top_k likeliest, then the smallest
+    set whose mass reaches top_p."""
     w = [p ** (1 / temperature) for p in SAMPLER_PROBS]
+    w = [x if x >= min_p * max(w) else 0.0 for x in w]
     order = sorted(range(len(w)), key=lambda i: -w[i])[:top_k if top_k > 0 else None]
     total, kept, mass = sum(w[i] for i in order), [], 0.0
     for i in order:
@@ -269,19 +286,74 @@ def expected_probs(temperature: float, top_k: int, top_p: float) -> list[float]:
     return [w[i] / sum(w[j] for j in kept) if i in kept else 0.0 for i in range(len(w))]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 3, 1.0),  # 0.4, 0.25, 0.15 renormalized
-    (1.0, -1, 0.6),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
-    (0.5, -1, 1.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
-    (2.0, 4, 0.8)])  # sqrt(p), the top 4, then the top 3 of those (0.83 of their mass lies before the 4th)
-def test_sampler_draws_from_the_right_distribution(temperature, top_k, top_p):
+def sampling_row(params: SamplingParams, generator=None, prompt=(), output=()):
+    """What the sampler reads of a request."""
+    return types.SimpleNamespace(params=params, generator=generator, prompt_token_ids=list(prompt),
+                                 output_token_ids=list(output), num_output_tokens=len(output))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 3, 1.0, 0.0),  # 0.4, 0.25, 0.15 renormalized
+    (1.0, -1, 0.6, 0.0),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
+    (0.5, -1, 1.0, 0.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
+    (2.0, 4, 0.8, 0.0),  # sqrt(p), the top 4, then their top 3 (0.83 of their mass before the 4th)
+    (1.0, 0, 1.0, 0.3),  # 0 = no top_k; tokens at least 0.12 likely: 0.4, 0.25, 0.15
+    (1.0, 2, 0.5, 0.5)])  # min_p keeps 0.4, 0.25; top_k 2 the same; top_p 0.5 of (0.62, 0.38): 0.4
+def test_sampler_draws_from_the_right_distribution(temperature, top_k, top_p, min_p):
     n = 4000
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     logits = torch.tensor(SAMPLER_PROBS).log().expand(n, -1)
-    draws = sample(logits, [params] * n, [torch.Generator().manual_seed(0)] * n)
+    draws = sample(logits, [sampling_row(params, torch.Generator().manual_seed(0))] * n)
     freq = [draws.count(i) / n for i in range(len(SAMPLER_PROBS))]
-    for f, p in zip(freq, expected_probs(temperature, top_k, top_p)):
-        assert f == 0 if p == 0 else abs(f - p) < 0.03, (freq, expected_probs(temperature, top_k, top_p))
+    want = expected_probs(temperature, top_k, top_p, min_p)
+    for f, p in zip(freq, want):
+        assert f == 0 if p == 0 else abs(f - p) < 0.03, (freq, want)
+    assert torch.allclose(sampling_probs(logits[:1], [params])[0], torch.tensor(want), atol=1e-6)
+
+
+def reference_logits(logits: list[float], row, eos_token_ids: list[int]) -> list[float]:
+    """One row by the definitions, token by token: logit_bias; EOS and stop_token_ids banned before
+    min_tokens; repetition_penalty on every token of prompt or output (divide a positive logit,
+    multiply a negative one); then frequency_penalty x the token's count in the output and
+    presence_penalty if it occurs there at all."""
+    p, out = row.params, row.output_token_ids
+    logits = [x + p.logit_bias.get(t, 0.0) for t, x in enumerate(logits)]
+    if len(out) < p.min_tokens:
+        banned = [*eos_token_ids, *p.stop_token_ids]
+        logits = [float("-inf") if t in banned else x for t, x in enumerate(logits)]
+    for t, x in enumerate(logits):
+        if t in row.prompt_token_ids or t in out:
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        logits[t] = x - p.frequency_penalty * out.count(t) - p.presence_penalty * (t in out)
+    return logits
+
+
+def test_sampler_penalties_match_a_per_row_reference():
+    vocab, rng = 40, random.Random(0)
+    rows = []
+    for i in range(12):
+        bias = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}
+        params = SamplingParams(temperature=rng.choice([0, 0.8]), logit_bias=bias,
+                                presence_penalty=rng.uniform(-2, 2),
+                                frequency_penalty=rng.uniform(-2, 2),
+                                repetition_penalty=rng.uniform(0.5, 2), min_tokens=rng.randrange(6),
+                                stop_token_ids=[rng.randrange(vocab)])
+        if i % 4 == 0:  # some rows use none of it: the batch mixes them
+            params = SamplingParams(temperature=params.temperature)
+        prompt, output = random_prompts(2, vocab, seed=i, lengths=(0, 30))
+        rows.append(sampling_row(params, prompt=prompt, output=output))
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    eos = [2, 7]
+    got = processed_logits(logits, rows, eos)
+    want = torch.tensor([reference_logits(x, row, eos) for x, row in zip(logits.tolist(), rows)])
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(logits, before)  # the engine reads logprobs from the raw logits afterwards
+    greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
+    tokens = sample(logits, rows, eos)
+    assert [tokens[i] for i in greedy] == want[greedy].argmax(-1).tolist()
+    banned = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    assert banned and all(tokens[i] not in eos + rows[i].params.stop_token_ids for i in banned)
 
 
 # ---------------------------------------------------------------- tokenizer, detokenizer, chat template
@@ -919,8 +991,9 @@ def test_openai_client(server):
     assert cut.choices[0].text == done.choices[0].text[:done.choices[0].text.find(stop)]
     assert "".join(p.choices[0].text for p in cut_pieces) == cut.choices[0].text
     assert cut.choices[0].finish_reason == cut_pieces[-1].choices[0].finish_reason == "stop"
-    with pytest.raises(openai.BadRequestError, match="`n`"):
-        client.chat.completions.create(messages=HELLO, n=2, **args)
+    with pytest.raises(openai.BadRequestError, match="`tools`"):
+        tool = {"type": "function", "function": {"name": "f"}}
+        client.chat.completions.create(messages=HELLO, tools=[tool], **args)
 
 
 def test_32_concurrent_streams(server):
@@ -975,8 +1048,17 @@ BAD = [  # (method, path, body, status, error code or None)
     ("POST", "/v1/completions", {"prompt": "hi", "seed": 10 ** 30}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "stop": 5}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "read_rate": 0}, 400, None),
-    ("POST", "/v1/completions", {"prompt": "hi", "n": 3}, 400, "unsupported_parameter"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "unsupported_parameter"),
+    ("POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter"),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 17}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, None),
+    ("POST", CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, None),
+    ("POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("POST", "/detokenize", {"tokens": [-1]}, 400, None),
     ("POST", "/v1/completions", b" " * (MAX_BODY_BYTES + 1), 413, None),
     ("GET", "/nope", None, 404, "not_found"),
     ("POST", "/v1/nope", {"prompt": "hi"}, 404, "not_found"),
@@ -1075,10 +1157,17 @@ def test_every_sampling_field_reaches_the_engine(server, monkeypatch):
     got, add = [], server.engine.add_request
     monkeypatch.setattr(server.engine, "add_request",
                         lambda ids, params, *args: (got.append(params), add(ids, params, *args))[1])
-    fields = dict(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop=["zz"], ignore_eos=True, read_rate=12.5)
-    assert call(server, "POST", "/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, **fields))[0] == 200
-    assert call(server, "POST", CHAT, dict(messages=HELLO, max_completion_tokens=4, **fields))[0] == 200
-    assert got == [SamplingParams(max_tokens=5, **fields), SamplingParams(max_tokens=4, **fields)]
+    fields = dict(temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=3, stop=["zz"],
+                  ignore_eos=True, read_rate=12.5, presence_penalty=0.5, frequency_penalty=-0.5,
+                  repetition_penalty=1.2, logit_bias={9: 2.5}, min_tokens=2, stop_token_ids=[11])
+    body = {**fields, "logit_bias": {"9": 2.5}}  # JSON keys are strings
+    for path, extra in [("/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, logprobs=2)),
+                        (CHAT, dict(messages=HELLO, max_completion_tokens=4)),
+                        (CHAT, dict(messages=HELLO, max_tokens=4, logprobs=True))]:
+        assert call(server, "POST", path, {**extra, **body})[0] == 200
+    assert got == [SamplingParams(max_tokens=5, logprobs=2, **fields),
+                   SamplingParams(max_tokens=4, **fields),
+                   SamplingParams(max_tokens=4, logprobs=0, **fields)]
 
 
 def test_server_fills_the_context_and_no_more(server):
@@ -1121,6 +1210,287 @@ def test_api_key(server, monkeypatch):
     assert call(server, "GET", "/health")[0] == 200  # probes need no key
 
 
+# ---------------------------------------------------------------- what UIs, SDKs, browsers send
+
+
+def capture_params(server, monkeypatch) -> list:
+    got, add = [], server.engine.add_request
+    monkeypatch.setattr(server.engine, "add_request",
+                        lambda ids, p, *args: (got.append((ids, p)), add(ids, p, *args))[1])
+    return got
+
+
+def test_default_max_tokens_fits_a_small_pool(ckpt, caplog):
+    """Without max_tokens a request asks for the whole context; a pool smaller than it lowers it."""
+    caplog.set_level(logging.INFO, logger="nanoflow")
+    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=8), "127.0.0.1", 0).start()
+    try:
+        assert "max_model_len lowered from 512 to 128 tokens" in caplog.text  # 8 blocks of 16
+        assert call(srv, "GET", "/v1/models")[2]["data"][0]["max_model_len"] == 128
+        status, _, whole = call(srv, "POST", "/v1/completions", dict(prompt=[5] * 100,
+                                                                     ignore_eos=True))
+        assert status == 200 and whole["usage"]["completion_tokens"] == 28
+        status, _, err = call(srv, "POST", "/v1/completions", dict(prompt=[5] * 100, max_tokens=29))
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    finally:
+        srv.shutdown()
+
+
+def test_roles(server, monkeypatch):
+    got = capture_params(server, monkeypatch)
+    system = [{"role": "system", "content": "be brief"}, *HELLO]
+    developer = [{"role": "developer", "content": "be brief"}, *HELLO]
+    tool = [*HELLO, {"role": "assistant", "content": "calling"}, {"role": "tool", "content": "42"}]
+    for messages in (system, developer, tool):
+        assert call(server, "POST", CHAT, dict(messages=messages, max_tokens=1))[0] == 200
+    # developer is system
+    assert got[0][0] == got[1][0] == server.engine.tokenizer.apply_chat_template(system)
+    wizard = [{"role": "wizard", "content": "hi"}]
+    status, _, err = call(server, "POST", CHAT, dict(messages=wizard))
+    assert status == 400 and "wizard" in err["error"]["message"]
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_top_k_0_is_off(server, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="nanoflow")
+    got = capture_params(server, monkeypatch)
+    body = dict(prompt="hi", max_tokens=2, top_k=0, frobnicate=1, zz_top=True, user="me")
+    assert call(server, "POST", "/v1/completions", body, {"X-Request-Id": "rid-7"})[0] == 200
+    off = dict(prompt="hi", max_tokens=2, top_k=-1)
+    assert call(server, "POST", "/v1/completions", off)[0] == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["rid-7: ignoring unknown fields frobnicate, zz_top"]
+    assert [p.top_k for _, p in got] == [0, -1]
+
+
+def test_generation_config_gives_defaults_and_the_server_overrides_it(ckpt, tmp_path, monkeypatch,
+                                                                      demo):
+    import shutil
+    folder = tmp_path / "with-defaults"
+    shutil.copytree(ckpt, folder)
+    defaults = {"temperature": 0.3, "top_k": 5, "top_p": 0.8, "repetition_penalty": 1.1}
+    (folder / "generation_config.json").write_text(json.dumps({**defaults, "eos_token_id": 2}))
+    srv = make_server(LLM(folder, device="cpu", num_kv_blocks=32), "127.0.0.1", 0,
+                      generation_config={"top_p": 0.7}).start()
+    try:
+        got = capture_params(srv, monkeypatch)
+        for fields in ({}, {"temperature": 1, "top_k": 0}):
+            body = dict(prompt="hi", max_tokens=2, **fields)
+            assert call(srv, "POST", "/v1/completions", body)[0] == 200
+    finally:
+        srv.shutdown()
+    model = {**defaults, "top_p": 0.7}  # the file, then the server's flag
+    asked = {**model, "temperature": 1, "top_k": 0}
+    assert [p for _, p in got] == [SamplingParams(max_tokens=2, **model),
+                                   SamplingParams(max_tokens=2, **asked)]
+    # transformers wrote only eos and bos
+    assert LLM(ckpt, device="cpu", num_kv_blocks=8).generation_config == {}
+    assert demo.generation_config == {}  # GGUF: today's defaults
+
+
+def reference_greedy(ckpt, prompt: list[int], n: int, **params) -> list[int]:
+    """Greedy tokens from a separate engine on the same checkpoint."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=16)
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params)
+    return llm.generate([prompt], greedy)[0].token_ids
+
+
+def test_logprobs_are_the_models_own(server, ckpt):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    tok = server.engine.tokenizer
+    prompt = tok.encode("once upon a time")
+    args = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                extra_body={"ignore_eos": True})
+    done = client.completions.create(**args).choices[0].logprobs
+    pieces = [p.choices[0].logprobs for p in client.completions.create(stream=True, **args)
+              if p.choices[0].logprobs]
+    out = reference_greedy(ckpt, prompt, 6)
+    logits = engine_logits(LLM(ckpt, device="cpu", num_kv_blocks=16), prompt + out[:-1])
+    ref = logits[len(prompt) - 1:].log_softmax(-1)
+    assert done.tokens == [tok.decode([t]) for t in out]
+    chosen = [ref[i, t].item() for i, t in enumerate(out)]
+    assert done.token_logprobs == pytest.approx(chosen, abs=1e-4)
+    top = ref.topk(3)
+    # a dict per token (OpenAI's shape), keyed by text: alternatives that decode alike share a key
+    want = [{tok.decode([i]): v for i, v in zip(ids, values)}
+            for ids, values in zip(top.indices.tolist(), top.values.tolist())]
+    assert want == [pytest.approx(d, abs=1e-4) for d in done.top_logprobs]
+    assert [t for p in pieces for t in p.tokens] == done.tokens
+    assert [x for p in pieces for x in p.token_logprobs] == done.token_logprobs
+    assert [x for p in pieces for x in p.text_offset] == done.text_offset == [
+        len("".join(done.tokens[:i])) for i in range(6)]
+
+    chat_args = dict(model="tiny", messages=HELLO, max_tokens=5, temperature=0, logprobs=True,
+                     top_logprobs=2, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
+    streamed = [c for p in client.chat.completions.create(stream=True, **chat_args)
+                if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert len(content) == 5
+    assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
+    for c in content:  # greedy: the chosen token is the likeliest
+        first, second = c.top_logprobs
+        assert c.logprob == first.logprob >= second.logprob
+        assert bytes(c.bytes).decode() == c.token
+    plain = client.chat.completions.create(**{**chat_args, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices(server):
+    body = dict(prompt="once upon a time", max_tokens=8, seed=5, ignore_eos=True, n=3)
+    status, _, whole = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    # choice i is the request alone with seed + i
+    alone = [call(server, "POST", "/v1/completions", {**body, "n": 1, "seed": 5 + i})[2]
+             for i in range(3)]
+    assert [c["text"] for c in whole["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in whole["choices"]}) == 3
+    num_prompt = alone[0]["usage"]["prompt_tokens"]
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 24,
+                              "total_tokens": num_prompt + 24}
+    chat = dict(messages=HELLO, max_tokens=6, seed=9, ignore_eos=True, n=2)
+    _, resp = open_stream(server, CHAT, dict(chat, stream_options={"include_usage": True}))
+    chunks = [c for _, c in sse(resp)][:-1]
+    texts, roles, reasons = {0: "", 1: ""}, [], {}
+    for c in chunks[:-1]:
+        choice = c["choices"][0]
+        roles += [choice["index"]] if choice["delta"].get("role") else []
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        reasons[choice["index"]] = choice["finish_reason"] or reasons.get(choice["index"])
+    whole = call(server, "POST", CHAT, chat)[2]
+    assert roles == [0, 1] and reasons == {0: "length", 1: "length"}
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_sampling_options_through_the_server(server, ckpt):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    prompt = server.engine.tokenizer.encode("once upon a time")
+    greedy = reference_greedy(ckpt, prompt, 8)
+
+    def create(**extra):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True, **extra})
+
+    stop = create(stop_token_ids=[greedy[2]])
+    assert stop.choices[0].finish_reason == "stop"
+    assert stop.usage.completion_tokens == greedy.index(greedy[2]) + 1
+    later = create(stop_token_ids=[greedy[2]], min_tokens=greedy.index(greedy[2]) + 2)
+    assert later.usage.completion_tokens > stop.usage.completion_tokens
+    forced = create(logit_bias={str(greedy[0] + 1): 100})
+    assert forced.choices[0].text == server.engine.tokenizer.decode([greedy[0] + 1] * 8)
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
+    assert create(**penalties).choices[0].text == server.engine.tokenizer.decode(
+        reference_greedy(ckpt, prompt, 8, **penalties))
+
+
+def test_request_id_is_echoed_or_made(server, caplog):
+    caplog.set_level(logging.INFO, logger="nanoflow")
+    for method, path, body in [("POST", "/v1/completions", dict(prompt="hi", max_tokens=2)),
+                               ("GET", "/nope", None),
+                               ("POST", CHAT, dict(messages=HELLO, max_tokens=2, stream=True))]:
+        resp = call(server, method, path, body, {"X-Request-Id": "abc-123"})[1]
+        assert resp.getheader("X-Request-Id") == "abc-123"
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("abc-123" in line and "finish=" in line for line in logged) == 2
+    made = {call(server, "GET", "/v1/models")[1].getheader("X-Request-Id") for _ in range(2)}
+    assert len(made) == 2 and all(len(m) == 32 for m in made)
+
+
+def test_paths_are_normalized(server):
+    for path in ("/v1//models", "/v1/models/", "//v1/models", "/v1/models?x=1"):
+        assert call(server, "GET", path)[0] == 200, path
+    assert call(server, "POST", "/v1/completions/", dict(prompt="hi", max_tokens=1))[0] == 200
+
+
+def test_cors(server, monkeypatch):
+    monkeypatch.setattr(server, "allowed_origins", ["http://ui.example"])
+    monkeypatch.setattr(server, "api_key", "sekrit")  # a preflight carries no key
+    ui = "http://ui.example"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization"}
+    status, resp, _ = call(server, "OPTIONS", CHAT, None, {"Origin": ui, **preflight})
+    assert status == 204 and resp.getheader("Access-Control-Allow-Origin") == ui
+    assert resp.getheader("Access-Control-Allow-Methods") == "POST, OPTIONS"
+    assert resp.getheader("Access-Control-Allow-Headers") == "authorization"
+    headers = {"Origin": ui, "Authorization": "Bearer sekrit"}
+    status, resp, _ = call(server, "GET", "/v1/models", None, headers)
+    assert status == 200 and resp.getheader("Access-Control-Allow-Origin") == ui
+    assert resp.getheader("Access-Control-Expose-Headers") == "X-Request-Id"
+    for headers in ({"Origin": "http://evil.example", **preflight}, {}):
+        status, resp, _ = call(server, "OPTIONS", CHAT, None, headers)
+        assert status == 204 and resp.getheader("Access-Control-Allow-Origin") is None
+    monkeypatch.setattr(server, "allowed_origins", ["*"])
+    status, resp, _ = call(server, "GET", "/health", None, {"Origin": "http://any.example"})
+    assert resp.getheader("Access-Control-Allow-Origin") == "*"
+
+
+def test_paused_stream_gets_keepalive_comments(server, gate, monkeypatch):
+    monkeypatch.setattr(serve, "KEEPALIVE_S", 0.2)
+    sock, resp = open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=2))
+    assert resp.getheader("X-Accel-Buffering") == "no"
+    assert resp.getheader("Cache-Control") == "no-cache"
+    # the engine is held: no token, a comment
+    assert [resp.readline(), resp.readline()] == [b": keep-alive\n", b"\n"]
+    gate.set()
+    assert [c for _, c in sse(resp)][-1] == "[DONE]"
+
+
+def test_too_large_body_gets_413_before_it_is_sent(server):
+    """A client announces a body and waits to send it: it reads 413 at once, not after a timeout."""
+    sock = socket.create_connection(server.server_address[:2], timeout=5)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (10 * MAX_BODY_BYTES))
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    assert resp.status == 413 and "limit" in json.loads(resp.read())["error"]["message"]
+    sock.close()
+
+
+def test_health_while_loading_and_draining(ckpt, monkeypatch):
+    srv = make_server(None, "127.0.0.1", 0, model="tiny").start()
+    status, _, err = call(srv, "GET", "/health")
+    assert status == 503 and err["error"]["code"] == "loading"
+    assert call(srv, "POST", "/v1/completions", dict(prompt="hi"))[0] == 503
+    srv.attach(LLM(ckpt, device="cpu", num_kv_blocks=64))
+    assert call(srv, "GET", "/health")[0] == 200
+    slow_steps(srv, monkeypatch, 0.02)
+    short, long = [open_stream(srv, "/v1/completions", dict(prompt="hello", max_tokens=n,
+                                                            ignore_eos=True))[1] for n in (5, 400)]
+    result = []
+    drain = threading.Thread(target=lambda: result.append(srv.shutdown(timeout=1.0)))
+    drain.start()
+    wait_for(lambda: srv.state == "draining", timeout=1.0)
+    status, _, err = call(srv, "GET", "/health")
+    assert status == 503 and err["error"]["code"] == "draining"
+    assert call(srv, "POST", "/v1/completions", dict(prompt="hi"))[0] == 503
+    finished = [[c for _, c in sse(resp)][-2]["choices"][0]["finish_reason"]
+                for resp in (short, long)]
+    drain.join()
+    # the short one finished, the long one was cut
+    assert finished == ["length", "abort"] and result == [(1, 1)]
+
+
+def test_tokenize_and_detokenize(server):
+    tok = server.engine.tokenizer
+    ids = tok.encode("once upon a time")
+    body = {"prompt": "once upon a time", "return_token_strs": True}
+    status, _, out = call(server, "POST", "/tokenize", body)
+    assert status == 200 and tok.tk.decoder.decode(out.pop("token_strs")) == "once upon a time"
+    assert out == {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids}
+    out = call(server, "POST", "/tokenize", {"messages": HELLO})[2]
+    assert out["tokens"] == tok.apply_chat_template(HELLO) and out["token_strs"] is None
+    assert call(server, "POST", "/detokenize", {"tokens": ids})[2] == {"prompt": "once upon a time"}
+
+
+def test_served_model_names(server, monkeypatch):
+    monkeypatch.setattr(server, "model_names", ["main", "alias"])
+    assert [m["id"] for m in call(server, "GET", "/v1/models")[2]["data"]] == ["main", "alias"]
+    for asked, named in [("alias", "alias"), ("main", "main"), ("other", "main")]:
+        body = dict(model=asked, messages=HELLO, max_tokens=1)
+        assert call(server, "POST", CHAT, body)[2]["model"] == named
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -1129,36 +1499,63 @@ def test_help_explains_every_option(capsys):
         parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in ("--ckpt", "--host", "--port", "--policy", "--device", "--dtype", "--num-kv-blocks", "--host-kv-gb",
-                 "--read-rate", "--api-key", "--max-waiting"):
+                 "--read-rate", "--api-key", "--max-waiting", "--served-model-name",
+                 "--chat-template",
+                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--gpu-memory-utilization", "--override-generation-config", "--allowed-origins",
+                 "--shutdown-timeout", "--log-level"):
         assert flag in text
 
 
-def test_command_line_reaches_the_engine(ckpt, monkeypatch):
+def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main() builds."""
-    def built_by(*flags: str) -> dict:
-        built = {}
+    # --log-level sets the level of the "nanoflow" logger for the whole process
+    request.addfinalizer(lambda: logging.getLogger("nanoflow").setLevel(logging.NOTSET))
 
-        def capture(llm, host, port, **kwargs):
-            built.update(engine=llm.engine, host=host, port=port, **kwargs)
+    def built_by(*flags: str) -> serve.Server:
+        built, make_llm = {}, serve.LLM
+
+        def capture(server, llm):
+            built.update(server=server, llm=llm)
             raise KeyboardInterrupt  # stop before serving
 
-        monkeypatch.setattr(serve, "make_server", capture)
+        monkeypatch.setattr(serve.Server, "start", lambda server: server)  # bind, accept nothing
+        monkeypatch.setattr(serve.Server, "attach", capture)
+        monkeypatch.setattr(serve, "LLM", lambda *a, **kw: (built.update(llm_kwargs=kw),
+                                                            make_llm(*a, **kw))[1])
         with pytest.raises(KeyboardInterrupt):
             serve.main(["--ckpt", str(ckpt), "--device", "cpu", *flags])
+        built["server"].server_close()
         return built
 
-    built = built_by("--host", "127.0.0.2", "--port", "8123", "--policy", "fcfs", "--dtype", "bfloat16",
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}!")
+    built = built_by("--host", "127.0.0.2", "--port", "0", "--policy", "fcfs", "--dtype",
+                     "bfloat16",
                      "--num-kv-blocks", "37", "--host-kv-gb", "0.001", "--read-rate", "3.5", "--api-key", "sekrit",
-                     "--max-waiting", "9")
-    engine = built.pop("engine")
+                     "--max-waiting", "9", "--max-model-len", "300", "--max-num-seqs", "5",
+                     "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.5",
+                     "--served-model-name", "a", "b", "--chat-template", str(template),
+                     "--allowed-origins", "http://x", "*", "--override-generation-config",
+                     '{"temperature": 0.25}', "--log-level", "warning")
+    engine, server = built["llm"].engine, built["server"]
     block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
     assert engine.kv.kv_cache.device.type == "cpu" and engine.model.model.norm.weight.dtype == torch.bfloat16
     assert engine.scheduler.swapper.host.num_blocks == int(0.001 * (1 << 30)) // block_bytes
     assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5
-    assert built == dict(host="127.0.0.2", port=8123, model=ckpt.name, api_key="sekrit", max_waiting=9)
-    policy = built_by("--tokenflow", "interval=0.7,mu=3")["engine"].scheduler.policy  # tokenflow is the default
-    assert policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
+    assert engine.max_model_len == 300
+    assert engine.scheduler.max_num_seqs == 5 and engine.scheduler.max_num_batched_tokens == 64
+    assert built["llm_kwargs"]["gpu_memory_utilization"] == 0.5  # the GPU's share: none on a CPU
+    assert engine.tokenizer.chat_template == template.read_text()
+    assert server.server_address[0] == "127.0.0.2" and server.model_names == ["a", "b"]
+    assert (server.api_key, server.max_waiting) == ("sekrit", 9)
+    assert server.allowed_origins == ["http://x", "*"]
+    assert server.generation_config == {"temperature": 0.25}
+    assert logging.getLogger("nanoflow").level == logging.WARNING
+    built = built_by("--tokenflow", "interval=0.7,mu=3")  # tokenflow is the default
+    assert built["llm"].engine.scheduler.policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
+    assert built["server"].model_names == [ckpt.name]
 
 
 def test_read_rates_are_clamped(ckpt):
@@ -1172,23 +1569,27 @@ def test_read_rates_are_clamped(ckpt):
     assert rates == {1e6: (READ_RATE_MAX,) * 2, 1e-3: (READ_RATE_MIN,) * 2, 5.0: (5.0,) * 2, None: (READ_RATE_MAX,) * 2}
 
 
-def test_sigterm_ends_streams_and_exits_0(ckpt):
+def test_sigterm_drains_streams_and_exits_0(ckpt):
     proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port", "0",
                              "--device", "cpu", "--num-kv-blocks", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
     try:
+        assert "loading tiny-llama" in proc.stdout.readline()
         line = proc.stdout.readline()
         assert "serving tiny-llama" in line, proc.stderr.read()
         host, port = line.split("http://")[1].split("/")[0].split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(dict(prompt="hello", max_tokens=400, ignore_eos=True,
-                                                                stream=True)))
+        body = dict(prompt="hello", max_tokens=300, ignore_eos=True, stream=True)
+        conn.request("POST", "/v1/completions", json.dumps(body))
         events = sse(conn.getresponse())
         next(events)
         proc.send_signal(signal.SIGTERM)
-        assert [c for _, c in events][-1] == "[DONE]"
+        chunks = [c for _, c in events]
+        # the stream ran to its end
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=20) == 0
+        assert "1 requests finished, 0 cut" in proc.stderr.read()
     finally:
         proc.kill()
 

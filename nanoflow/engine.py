@@ -7,6 +7,7 @@ requests' blocks). `LLM.generate` drives steps until every request is done; the 
 same steps from its own thread.
 """
 
+import logging
 import math
 import os
 import time
@@ -15,14 +16,17 @@ from pathlib import Path
 
 import torch
 
-from .kv import KVPool, build_metadata, cdiv
-from .model import IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint, load_model, sample
+from .kv import KVPool, build_metadata
+from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint,
+                    generation_config, load_model, sample, token_logprobs)
 from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
 
+log = logging.getLogger("nanoflow")
+
 CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
-GPU_KV_FRACTION = 0.85  # share of free device memory after the weights load; the rest is for activations
+GPU_MEMORY_UTILIZATION = 0.9  # device share for weights + KV (vLLM's default); rest: activations
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min) when a client declares none
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamp, so that nobody buys priority with a huge declared rate
@@ -34,12 +38,13 @@ class Engine:
     """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
 
     def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer, scheduler: Scheduler,
-                 read_rate: float = DEFAULT_READ_RATE):
+                 read_rate: float = DEFAULT_READ_RATE, max_model_len: int | None = None):
         self.model, self.config, self.tokenizer, self.scheduler = model, config, tokenizer, scheduler
         self.kv, self.clock, self.read_rate = scheduler.kv, scheduler.clock, read_rate
         self.device = self.kv.kv_cache.device if model else torch.device("cpu")
         self.kv_caches = self.kv.layer_caches() if model else []
-        self.max_model_len = config.max_position_embeddings
+        self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings,
+                                            self.kv.num_blocks * self.kv.block_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -68,13 +73,11 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                             "tokens and generation needs at least one more")
-        need = cdiv(min(len(ids) + params.max_tokens, self.max_model_len), self.kv.block_size)
-        if need > self.kv.num_blocks:
-            raise ValueError(f"the request needs {need} KV blocks (prompt {len(ids)} + max_tokens "
-                             f"{params.max_tokens} tokens) but the whole pool has {self.kv.num_blocks}; "
-                             "lower max_tokens or raise num_kv_blocks")
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context is "
+                             f"{self.max_model_len} tokens (max_model_len) and generation needs at "
+                             "least one more")
+        if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
+            raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (a client went away); its blocks are freed at once."""
@@ -134,18 +137,27 @@ class Engine:
         logits_indices = [ends[req] - 1 for req, _ in samplers]
         logits = self.model(torch.tensor(input_ids, device=self.device), positions, self.kv_caches, meta,
                             torch.tensor(logits_indices, dtype=torch.long, device=self.device))
-        return sample(logits, [r.params for r, _ in samplers], [r.generator for r, _ in samplers])
+        reqs = [r for r, _ in samplers]
+        tokens = sample(logits, reqs, self.tokenizer.eos_token_ids)
+        asked = [r for r in reqs if r.params.logprobs is not None]
+        if asked:
+            num_top = max(r.params.logprobs for r in asked)
+            for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, num_top)):
+                if req.params.logprobs is not None:
+                    req.logprobs.append((logprob, top[:req.params.logprobs]))
+        return tokens
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append(token, self.clock())
-        eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
+        eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids
+                                                     and not req.params.ignore_eos)
         done = eos or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
         detokenizer = self.detokenizers[req.request_id]
         before = len(req.output_text)
         req.output_text += detokenizer.step(req.output_token_ids)
         if done:  # a partial character held back so far belongs to the output now
             req.output_text += detokenizer.flush(req.output_token_ids)
-        if self._cut_at_stop_string(req, before):
+        if req.num_output_tokens >= req.params.min_tokens and self._cut_at_stop_string(req, before):
             self._finish(req, "stop")
         elif done:
             self._finish(req, "stop" if eos else "length")
@@ -180,20 +192,29 @@ class LLM:
     def __init__(self, ckpt: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, policy: str | Policy = "tokenflow",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
-                 read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None):
+                 read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
+                 max_model_len: int | None = None,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION):
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], "
+                             f"got {gpu_memory_utilization}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, self.tokenizer = load_model(ckpt or demo_checkpoint(), device, _dtype(dtype))
+        ckpt = ckpt or demo_checkpoint()
+        model, self.tokenizer = load_model(ckpt, device, _dtype(dtype))
+        self.generation_config = generation_config(ckpt)
         cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
         shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
         block_bytes = 2 * math.prod(shape) * dtype.itemsize
-        kv = KVPool(num_kv_blocks or _blocks_that_fit(device, block_bytes), *shape, dtype, device)
+        num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes,
+                                                          gpu_memory_utilization)
+        kv = KVPool(num_kv_blocks, *shape, dtype, device)
         num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
         swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
             if num_host_blocks else None
         scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper, tokenflow)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate)
+        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -242,11 +263,24 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def _blocks_that_fit(device: torch.device, block_bytes: int) -> int:
+def _max_model_len(asked: int | None, context: int, pool_tokens: int) -> int:
+    """The longest request served: the model's context (or less, if asked), at most the KV pool."""
+    if asked is not None and not 0 < asked <= context:
+        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), "
+                         f"got {asked}")
+    wanted = asked or context
+    if pool_tokens < wanted:
+        log.info("max_model_len lowered from %d to %d tokens: what the KV pool holds", wanted,
+                 pool_tokens)
+    return min(wanted, pool_tokens)
+
+
+def _blocks_that_fit(device: torch.device, block_bytes: int, utilization: float) -> int:
     """Size the KV pool from the memory that is free now (after the weights are loaded)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * GPU_KV_FRACTION
+        free, total = torch.cuda.mem_get_info(device)
+        # what the weights (and anyone else) use now counts against the share
+        budget = free - total * (1 - utilization)
     else:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(available * CPU_KV_FRACTION, CPU_KV_MAX_BYTES)

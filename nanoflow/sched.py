@@ -33,6 +33,9 @@ from .metrics import RequestRecord, read_times
 from .swap import Swapper
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops (vLLM's names and defaults)."""
@@ -40,7 +43,15 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1  # -1 = all tokens
+    top_k: int = -1  # -1 or 0 = all tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # ...times the number of times it is there
+    repetition_penalty: float = 1.0  # divides positive logits of tokens seen: 1 = off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    stop_token_ids: list[int] | None = None  # tokens that end the output like EOS does
+    logprobs: int | None = None  # k: each token's logprob and the k likeliest alternatives
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
@@ -60,7 +71,27 @@ class SamplingParams:
         check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
         check(is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "-1 (off) or an integer >= 1")
+        check(is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (off) or an integer >= 1")
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(is_num(value) and -2 <= value <= 2, name, "a number in [-2, 2]")
+        check(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              "a number > 0")
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              "an integer in [0, max_tokens]")
+        top = self.logprobs
+        check(top is None or (is_int(top) and 0 <= top <= MAX_LOGPROBS), "logprobs",
+              f"None or an integer in [0, {MAX_LOGPROBS}]")
+        self.stop_token_ids = self.stop_token_ids or []
+        ids = self.stop_token_ids
+        check(isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids), "stop_token_ids",
+              "a list of token ids")
+        bias = self.logit_bias or {}
+        check(isinstance(bias, dict) and all(str(k).isdigit() and is_num(v) and abs(v) <= 100
+                                             for k, v in bias.items()),
+              "logit_bias", "a map from token id to a number in [-100, 100]")
+        self.logit_bias = {int(k): float(v) for k, v in bias.items()}  # JSON keys are strings
         check(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
               "a 64-bit integer or None")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
@@ -107,6 +138,7 @@ class Request:
     generator: torch.Generator | None = None
     read_rate: float = 8.0  # tokens/s, resolved by the engine (params.read_rate, clamped)
     token_times: list[float] = field(default_factory=list)  # when each output token was generated
+    logprobs: list = field(default_factory=list)  # per output token if params.logprobs: model.py
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

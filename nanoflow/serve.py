@@ -6,18 +6,23 @@ engine thread is the only one that touches the Engine: it adds and aborts reques
 `engine.step()`, and after every step puts each request's new text on that request's own queue.
 The connection thread writes that text to its socket at once (one SSE chunk per detokenized token)
 and aborts the request as soon as its client goes away. `/metrics` reads the `engine.stats()`
-snapshot that the engine thread publishes after each step, plus the server's own counters. `GET /`
-is a page that watches the engine live (live.py) and `/v1/engine/events` feeds it.
+snapshot that the engine thread publishes after each step, plus the server's own counters. The
+server listens before the model loads (/health answers 503 until then) and, on SIGTERM, lets the
+requests in flight finish for a while before it ends the rest. `GET /` is a page that watches the
+engine live (live.py), fed by `/v1/engine/events`.
 
     python -m nanoflow.serve --ckpt ./llama3-8b --port 8000
 """
 
 import argparse
 import bisect
+import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import queue
+import re
 import select
 import signal
 import socket
@@ -31,7 +36,6 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from jinja2 import TemplateError
 
@@ -44,22 +48,38 @@ log = logging.getLogger("nanoflow.serve")
 
 DEMO_MODEL_ID = "SmolLM2-135M-Instruct"  # what /v1/models calls the demo checkpoint
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt sent as token ids fits; a larger body is a mistake: 413
-DRAIN_LIMIT_BYTES = 64 << 20  # a too-large body is read and dropped up to here, so the client sees our 413
+DRAIN_LIMIT_BYTES = 64 << 20  # after our 413, what the client still sends is read and dropped...
+DRAIN_IDLE_S = 1.0  # ...while it keeps sending (a client that waits for our answer sends nothing)
 DEFAULT_MAX_WAITING = 256  # requests still waiting for a first token; more would only wait longer: 503
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before it retries
 POLL_S = 0.05  # how often a waiting connection checks that its client is still there: about one step
 CLIENT_TIMEOUT_S = 60.0  # a client silent this long (slow headers or body, a stream it stopped reading) is dropped
 SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for aborted streams to write their last chunk
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "read_rate")
+SHUTDOWN_TIMEOUT_S = 30.0  # on SIGTERM, how long requests in flight may finish before they are cut
+KEEPALIVE_S = 5.0  # an SSE comment this often while a stream is paused: proxies drop idle ones
+MAX_CHOICES = 16  # `n`: copies of one prompt; more would crowd out everyone else's requests
+MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
+LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
+PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
+# the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint
+SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)
+                   if f.name not in ("max_tokens", "logprobs")]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or set to this neutral value
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "suffix": "",
-               "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none",
                "functions": [], "function_call": "none", "response_format": {"type": "text"}}
+# every other field of a body: unknown, ignored with a warning (as vLLM does)
+KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+                "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
+                *UNSUPPORTED}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
-LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow")  # CLI flags for LLM(...)
+LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
+               "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "gpu_memory_utilization")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):
@@ -85,21 +105,26 @@ class ClientGone(ConnectionError):
 
 @dataclass
 class Event:
-    """What the engine thread tells a connection: new text and, at the end, why it stopped."""
+    """What the engine thread tells a connection: a choice's new text; at the end, its finish."""
 
+    index: int = 0
     text: str = ""
+    logprobs: list = field(default_factory=list)  # per new token: (id, (logprob, top alternatives))
     finish_reason: str | None = None
-    usage: dict | None = None
+    completion_tokens: int = 0  # at the end
     error: HTTPError | None = None
 
 
 @dataclass
 class Stream:
-    """The engine thread's record of one connection's request."""
+    """The engine thread's record of one connection's request (one of its `n` choices)."""
 
     events: queue.Queue
+    index: int
+    tag: str  # the X-Request-Id, for the log
     request: Request | None = None  # once the engine has added it
     sent: int = 0  # characters of stream_text() already sent
+    sent_tokens: int = 0  # output tokens whose logprobs were sent
     queued: bool = True  # no token yet: counts against max_waiting
 
 
@@ -116,8 +141,9 @@ class EngineLoop(threading.Thread):
         self.streams: dict[str, Stream] = {}
         self.snapshot = engine.stats()
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> queue.Queue:
-        """Queue a validated request; its Events will arrive on the returned queue."""
+    def submit(self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
+               tag: str) -> queue.Queue:
+        """Queue a validated request's choices; their Events will arrive on the returned queue."""
         events: queue.Queue = queue.Queue()
         with self.lock:
             if self.stopping:
@@ -125,8 +151,9 @@ class EngineLoop(threading.Thread):
             if self.num_queued >= self.max_waiting:
                 raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry shortly", "overloaded",
                                 {"Retry-After": str(RETRY_AFTER_S)})
-            self.num_queued += 1
-            self.inbox.put(("add", request_id, (prompt_ids, params, events)))
+            self.num_queued += len(request_ids)
+            for i, (request_id, p) in enumerate(zip(request_ids, params)):
+                self.inbox.put(("add", request_id, (prompt_ids, p, Stream(events, i, tag))))
         return events
 
     def abort(self, request_id: str) -> None:
@@ -182,13 +209,14 @@ class EngineLoop(threading.Thread):
             self.snapshot = self.engine.stats()
         return True
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, events: queue.Queue) -> None:
-        stream = Stream(events)
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+             stream: Stream) -> None:
         try:
             stream.request = self.engine.add_request(prompt_ids, params, request_id)
         except Exception as e:  # validated already; whatever still fails is this request's problem alone
             self._unqueue(stream)
-            events.put(Event(error=HTTPError(400 if isinstance(e, ValueError) else 500, str(e))))
+            error = HTTPError(400 if isinstance(e, ValueError) else 500, str(e))
+            stream.events.put(Event(error=error))
             return
         self.streams[request_id] = stream
 
@@ -201,16 +229,19 @@ class EngineLoop(threading.Thread):
         """Send the text the request added since last time; at the end, its finish reason and usage."""
         req = stream.request
         text = req.stream_text()
-        event = Event(text[stream.sent:], req.finish_reason, error=error)
+        sent = stream.sent_tokens
+        new_ids = req.token_ids[len(req.prompt_token_ids) + sent:] if req.logprobs else []
+        logprobs = list(zip(new_ids, req.logprobs[sent:]))
+        event = Event(stream.index, text[stream.sent:], logprobs, req.finish_reason,
+                      req.num_output_tokens, error)
         stream.sent = len(text)
+        stream.sent_tokens = req.num_output_tokens
         if stream.queued and (req.num_output_tokens or req.is_finished):
             self._unqueue(stream)
         if req.is_finished:
             del self.streams[req.request_id]
-            event.usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": req.num_output_tokens,
-                           "total_tokens": req.num_tokens}
-            self._log_finished(req)
-        if event.text or event.finish_reason:
+            self._log_finished(req, stream.tag)
+        if event.text or event.logprobs or event.finish_reason:
             stream.events.put(event)
 
     def _unqueue(self, stream: Stream) -> None:
@@ -218,12 +249,12 @@ class EngineLoop(threading.Thread):
             self.num_queued -= 1
         stream.queued = False
 
-    def _log_finished(self, req) -> None:
+    def _log_finished(self, req: Request, tag: str) -> None:
         record = req.record()
         rebuffer = rebuffer_time(record.token_times, record.rate)
         self.metrics.finished(req.finish_reason, len(req.prompt_token_ids), record, rebuffer)
         ttft = f"{record.ttft:.3f}s" if record.token_times else "-"
-        log.info("%s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s", req.request_id,
+        log.info("%s %s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s", tag, req.request_id,
                  len(req.prompt_token_ids), req.num_output_tokens, ttft, rebuffer, req.finish_reason)
 
 
@@ -310,11 +341,15 @@ def engine_lines(stats: dict) -> list[str]:
 # ---------------------------------------------------------------- requests: OpenAI fields to engine inputs
 
 
-def check_supported(body: dict) -> None:
+def check_fields(body: dict, request_id: str) -> None:
+    """Unsupported OpenAI parameters are a 400; fields nobody knows are ignored, with a warning."""
     for name, neutral in UNSUPPORTED.items():
         if body.get(name) not in (None, neutral):
             raise HTTPError(400, f"nanoflow does not support `{name}`; leave it out or set it to "
                                  f"{json.dumps(neutral)}", "unsupported_parameter")
+    unknown = sorted(body.keys() - KNOWN_FIELDS)
+    if unknown:
+        log.warning("%s: ignoring unknown fields %s", request_id, ", ".join(unknown))
 
 
 def flag(obj: dict, name: str) -> bool:
@@ -337,7 +372,10 @@ def chat_messages(body: dict) -> list[dict]:
             content = "\n".join(p["text"] for p in content)
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
             raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` (or text parts)")
-        out.append({"role": m["role"], "content": content})
+        if m["role"] not in ROLES:
+            roles = ", ".join(ROLES)
+            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of {roles}")
+        out.append({"role": ROLES[m["role"]], "content": content})
     return out
 
 
@@ -352,21 +390,55 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
     raise HTTPError(400, "`prompt` must be a string or a list of token ids (one prompt per request)")
 
 
-def sampling_params(body: dict, ids: list[int], engine: Engine) -> SamplingParams:
-    """SamplingParams from the body's OpenAI fields; a value the engine cannot honour is a 400."""
-    fields = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
+    """Token ids: chat `messages` through the chat template, or `prompt` (text or ids)."""
+    if not chat:
+        return prompt_ids(body.get("prompt"), tokenizer)
+    if not tokenizer.chat_template:
+        raise HTTPError(400, "this model has no chat template; use /v1/completions with a prompt")
+    try:
+        return tokenizer.apply_chat_template(chat_messages(body))
+    except (ValueError, TemplateError) as e:
+        raise HTTPError(400, f"cannot apply the chat template: {e}") from None
+
+
+def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
+                    chat: bool) -> SamplingParams:
+    """SamplingParams from the body's OpenAI fields over the defaults; a 400 if they cannot run."""
+    fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
+    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                       if body.get(k) is not None), None)
     room = engine.max_model_len - len(ids)
     try:  # by default, up to the end of the context (as OpenAI and vLLM do)
-        params = SamplingParams(max_tokens=max(1, room) if max_tokens is None else max_tokens, **fields)
+        params = SamplingParams(max_tokens=max(1, room) if max_tokens is None else max_tokens,
+                                logprobs=num_logprobs(body, chat), **fields)
         engine.check_prompt(ids, params)
     except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
     if params.max_tokens > room:
-        raise HTTPError(400, f"the model's context is {engine.max_model_len} tokens: the prompt has {len(ids)} and "
-                             f"max_tokens asks for {params.max_tokens} more; ask for at most {room}",
+        raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
+                             f"{len(ids)} and max_tokens asks for {params.max_tokens} more; ask "
+                             f"for at most {room}",
                         "context_length_exceeded")
     return params
+
+
+def num_logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives: chat's `logprobs: true, top_logprobs: k`, completions' `logprobs: k`."""
+    if not chat:
+        return body.get("logprobs")
+    if body.get("top_logprobs") is not None and not flag(body, "logprobs"):
+        raise HTTPError(400, "`top_logprobs` needs `logprobs: true`")
+    return (body.get("top_logprobs") or 0) if flag(body, "logprobs") else None
+
+
+def choices(body: dict, params: SamplingParams) -> list[SamplingParams]:
+    """`n` copies of the request; seeded, choice i samples with seed + i (so that they differ)."""
+    n = 1 if body.get("n") is None else body["n"]
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES):
+        raise HTTPError(400, f"`n` must be an integer in [1, {MAX_CHOICES}]")
+    seeds = [None] * n if params.seed is None else [(params.seed + i) % 2**64 for i in range(n)]
+    return [dataclasses.replace(params, seed=seed) for seed in seeds]
 
 
 @dataclass
@@ -376,32 +448,68 @@ class Reply:
     id: str
     model: str
     chat: bool
+    tokenizer: object
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    text_sent: Counter = field(default_factory=Counter)  # per choice: characters with logprobs sent
 
-    def _object(self, kind: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+    def _object(self, choices: list, whole: bool = False, **extra) -> dict:
+        chat_kind = "chat.completion" if whole else "chat.completion.chunk"
+        return {"id": self.id, "object": chat_kind if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    @staticmethod
-    def _choice(finish_reason: str | None, **content) -> dict:
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, finish_reason: str | None, logprobs: list | None,
+                **content) -> dict:
+        if logprobs is None:
+            shaped = None
+        elif self.chat:
+            shaped = chat_logprobs(logprobs, self.tokenizer)
+        else:  # offsets count from the start of the choice's text, across chunks too
+            shaped = text_logprobs(logprobs, self.tokenizer, self.text_sent[index])
+            self.text_sent[index] += sum(map(len, shaped["tokens"]))
+        return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
-    def chunk(self, text: str = "", finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, event: Event, role: bool = False) -> dict:
         usage = {"usage": None} if self.include_usage else {}
-        if not self.chat:
-            return self._object("text_completion", [self._choice(finish_reason, text=text)], **usage)
-        delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-        return self._object("chat.completion.chunk", [self._choice(finish_reason, delta=delta)], **usage)
+        text = {"content": event.text} if event.text else {}
+        delta = {"role": "assistant", "content": ""} if role else text
+        content = {"delta": delta} if self.chat else {"text": event.text}
+        choice = self._choice(event.index, event.finish_reason, event.logprobs or None, **content)
+        return self._object([choice], **usage)
 
     def usage_chunk(self, usage: dict) -> dict:
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
+        return self._object([], usage=usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if not self.chat:
-            return self._object("text_completion", [self._choice(finish_reason, text=text)], usage=usage)
-        message = {"role": "assistant", "content": text}
-        return self._object("chat.completion", [self._choice(finish_reason, message=message)], usage=usage)
+    def whole(self, events: list[Event], logprobs: bool, usage: dict) -> dict:
+        """Each choice from its Events: text and logprobs joined, the last one's finish reason."""
+        out = []
+        for i in range(len({e.index for e in events})):
+            mine = [e for e in events if e.index == i]
+            text = "".join(e.text for e in mine)
+            tokens = [t for e in mine for t in e.logprobs] if logprobs else None
+            message = {"role": "assistant", "content": text}
+            content = {"message": message} if self.chat else {"text": text}
+            out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
+        return self._object(out, whole=True, usage=usage)
+
+
+def chat_logprobs(tokens: list, tokenizer) -> dict:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in top]}
+                        for t, (lp, top) in tokens]}
+
+
+def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
+    """OpenAI's completions shape: lists of tokens, their logprobs, top alternatives, offsets."""
+    texts = [tokenizer.decode([t]) for t, _ in tokens]
+    offsets = list(itertools.accumulate(map(len, texts), initial=start))[:-1]
+    return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
+            "top_logprobs": [{tokenizer.decode([i]): v for i, v in top} for _, (_, top) in tokens],
+            "text_offset": offsets}
 
 
 # ---------------------------------------------------------------- HTTP
@@ -415,37 +523,87 @@ class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # a token is a few bytes: send it now, not together with the next one
     timeout = CLIENT_TIMEOUT_S
     server: "Server"
+    request_id = ""  # X-Request-Id: the client's, or ours
+
+    def parse_request(self) -> bool:
+        self.request_id = uuid.uuid4().hex
+        ok = super().parse_request()
+        given = self.headers.get("X-Request-Id", "") if ok else ""
+        if given.isprintable() and 0 < len(given) <= MAX_REQUEST_ID:
+            self.request_id = given
+        return ok
 
     def _dispatch(self) -> None:
-        path = urlsplit(self.path).path
+        # `//v1//models/` is `/v1/models`: clients join a base URL ending in / and a path with one
+        path = re.sub("/+", "/", self.path.partition("?")[0]).rstrip("/") or "/"
         try:
+            length = self._content_length()
+            if length > MAX_BODY_BYTES:  # say so now: the client may wait for us to send the body
+                error = HTTPError(413, f"the body has {length} bytes; the limit: {MAX_BODY_BYTES}")
+                self._send_error(error)
+                return self._discard(length)
+            if path not in ROUTES:
+                raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
+            method, endpoint = ROUTES[path]
+            if self.command == "OPTIONS":  # a browser's CORS preflight: no key, no body
+                preflight = {"Allow": f"{method}, OPTIONS", **self._preflight(method)}
+                return self._send(204, b"", None, preflight)
             if self.server.api_key and path not in OPEN_PATHS:
                 self._authenticate()
-            if path not in ROUTES:
-                raise HTTPError(404, f"no such path: {path}; see /v1/chat/completions, /v1/completions, "
-                                     "/v1/models, /health, /metrics, / (the live view)")
-            method, endpoint = ROUTES[path]
             if self.command != method:
                 raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
+            if self.server.engine is None and path != "/health":
+                raise HTTPError(503, "the model is still loading",
+                                headers={"Retry-After": str(LOADING_RETRY_S)})
             endpoint(self)
         except HTTPError as e:
             self._send_error(e)
 
-    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _dispatch
 
     def _authenticate(self) -> None:
         given = self.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
             raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", "invalid_api_key")
 
+    def _allowed_origin(self) -> str | None:
+        """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
+        headers = getattr(self, "headers", None)  # none yet when the request line itself was bad
+        origin, allowed = headers.get("Origin") if headers else None, self.server.allowed_origins
+        if origin is None or not ("*" in allowed or origin in allowed):
+            return None
+        return "*" if "*" in allowed else origin
+
+    def _preflight(self, method: str) -> dict:
+        if not self._allowed_origin():
+            return {}
+        asked = self.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
+        return {"Access-Control-Allow-Methods": f"{method}, OPTIONS",
+                "Access-Control-Allow-Headers": asked,
+                "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)}
+
+    def end_headers(self) -> None:
+        """Every response names the request it answers; an allowed origin is told it may read it."""
+        self.send_header("X-Request-Id", self.request_id or uuid.uuid4().hex)
+        if origin := self._allowed_origin():
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Access-Control-Expose-Headers", "X-Request-Id")
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
     # ---- endpoints
 
     def health(self) -> None:
+        state = self.server.state
+        if state != "serving":
+            raise HTTPError(503, f"the server is {state}", state)
         self._send_json(200, {"status": "ok"})
 
     def models(self) -> None:
-        model = {"id": self.server.model, "object": "model", "created": self.server.created, "owned_by": "nanoflow"}
-        self._send_json(200, {"object": "list", "data": [model]})
+        engine = self.server.engine
+        self._send_json(200, {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.server.created, "owned_by": "nanoflow",
+             "max_model_len": engine.max_model_len} for name in self.server.model_names]})
 
     def metrics(self) -> None:
         loop = self.server.loop
@@ -483,93 +641,122 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"submitted": len(queues), "requested": len(requests)})
 
     def chat_completions(self) -> None:
-        body = self._read_json()
-        check_supported(body)
-        tokenizer = self.server.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise HTTPError(400, "this model has no chat template; send a plain prompt to /v1/completions")
-        try:
-            ids = tokenizer.apply_chat_template(chat_messages(body))
-        except (ValueError, TemplateError) as e:
-            raise HTTPError(400, f"cannot apply the chat template: {e}") from None
-        self._generate(body, ids, Reply(f"chatcmpl-{uuid.uuid4().hex}", self.server.model, chat=True))
+        self._generate(chat=True)
 
     def completions(self) -> None:
-        body = self._read_json()
-        check_supported(body)
-        ids = prompt_ids(body.get("prompt"), self.server.engine.tokenizer)
-        self._generate(body, ids, Reply(f"cmpl-{uuid.uuid4().hex}", self.server.model, chat=False))
+        self._generate(chat=False)
+
+    def tokenize(self) -> None:
+        """vLLM's /tokenize: a `prompt` or chat `messages` to token ids."""
+        body, engine = self._read_json(), self.server.engine
+        tokenizer = engine.tokenizer
+        ids = prompt_of(body, tokenizer, chat="messages" in body)
+        strs = [tokenizer.tk.id_to_token(t) for t in ids] if flag(body, "return_token_strs") \
+            else None
+        self._send_json(200, {"count": len(ids), "max_model_len": engine.max_model_len,
+                              "tokens": ids, "token_strs": strs})
+
+    def detokenize(self) -> None:
+        """vLLM's /detokenize: token ids to text."""
+        tokens, vocab = self._read_json().get("tokens"), self.server.engine.config.vocab_size
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < vocab
+                                                 for t in tokens)):
+            raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
+        self._send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
 
     # ---- generation
 
-    def _generate(self, body: dict, ids: list[int], reply: Reply) -> None:
+    def _generate(self, chat: bool) -> None:
+        server, body = self.server, self._read_json()
+        check_fields(body, self.request_id)
+        tokenizer = server.engine.tokenizer
+        ids = prompt_of(body, tokenizer, chat)
         stream = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
-        reply.include_usage = stream and flag(options, "include_usage")
-        params = sampling_params(body, ids, self.server.engine)
-        with self.server.in_flight():
-            events = self.server.loop.submit(reply.id, ids, params)
+        model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
+        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        reply = Reply(reply_id, model, chat, tokenizer, stream and flag(options, "include_usage"))
+        params = choices(body, sampling_params(body, ids, server.engine, server.defaults, chat))
+        n = len(params)
+        request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
+        with server.in_flight():
+            events = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
-                (self._stream if stream else self._answer)(reply, events)
+                answer = self._stream if stream else self._answer
+                answer(reply, self._events(events, n, keepalive=stream), len(ids), params)
             except OSError:  # the client left (ClientGone, a broken pipe, a reset, a write timeout)
                 self.close_connection = True
             finally:
-                self.server.loop.abort(reply.id)  # a no-op once finished; frees it at once if its client left
+                for request_id in request_ids:  # frees it now if its client left
+                    server.loop.abort(request_id)
 
-    def _stream(self, reply: Reply, events: queue.Queue) -> None:
+    def _stream(self, reply: Reply, events: Iterator[Event], num_prompt: int, params: list) -> None:
         """Server-Sent Events as OpenAI sends them, one chunk per piece of text as soon as it exists."""
         self._start_events()
         if reply.chat:
-            self._sse(reply.chunk(role=True))
-        for event in self._events(events):
+            for i in range(len(params)):
+                self._sse(reply.chunk(Event(i), role=True))
+        done = []
+        for event in events:
             if event.error:
                 self._sse(event.error.body())
                 break
-            if event.text:
-                self._sse(reply.chunk(event.text))
-            if event.finish_reason:
-                self._sse(reply.chunk(finish_reason=event.finish_reason))
-                if reply.include_usage:
-                    self._sse(reply.usage_chunk(event.usage))
+            if event.text or event.logprobs:
+                self._sse(reply.chunk(dataclasses.replace(event, finish_reason=None)))
+            if event.finish_reason:  # in a chunk of its own, as OpenAI sends it
+                self._sse(reply.chunk(Event(event.index, finish_reason=event.finish_reason)))
+                done.append(event)
+        if reply.include_usage and len(done) == len(params):
+            self._sse(reply.usage_chunk(usage(num_prompt, done)))
         self.wfile.write(b"data: [DONE]\n\n")
 
-    def _answer(self, reply: Reply, events: queue.Queue) -> None:
-        pieces = []
-        for event in self._events(events):
-            if event.error:
-                raise event.error
-            pieces.append(event.text)
-        self._send_json(200, reply.whole("".join(pieces), event.finish_reason, event.usage))
+    def _answer(self, reply: Reply, events: Iterator[Event], num_prompt: int, params: list) -> None:
+        got = list(events)
+        if errors := [e.error for e in got if e.error]:
+            raise errors[0]
+        logprobs = params[0].logprobs is not None
+        finished = [e for e in got if e.finish_reason]
+        self._send_json(200, reply.whole(got, logprobs, usage(num_prompt, finished)))
 
-    def _events(self, events: queue.Queue) -> Iterator[Event]:
-        """The request's Events until its last; raises ClientGone as soon as the client has left."""
+    def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[Event]:
+        """The Events of n choices until each has its last; raises ClientGone once the client left.
+
+        A stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment.
+        """
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
-        while True:
+        quiet_since = time.monotonic()
+        while n:
             try:
                 event = events.get(timeout=POLL_S)
             except queue.Empty:
                 event = None
             if peer_closed(self.connection, poller):
                 raise ClientGone
-            if event is not None:
-                yield event
-                if event.finish_reason or event.error:
-                    return
+            if event is None:
+                if keepalive and time.monotonic() - quiet_since > KEEPALIVE_S:
+                    self.wfile.write(b": keep-alive\n\n")
+                    quiet_since = time.monotonic()
+                continue
+            quiet_since = time.monotonic()
+            yield event
+            if event.error:
+                return
+            n -= event.finish_reason is not None
 
     # ---- reading and writing
 
-    def _read_json(self) -> dict:
+    def _content_length(self) -> int:
         length = self.headers.get("Content-Length", "0")
         if not (length.isascii() and length.isdigit()):
             raise HTTPError(400, "Content-Length must be a byte count")
-        if int(length) > MAX_BODY_BYTES:
-            self._discard(int(length))
-            raise HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
+        return int(length)
+
+    def _read_json(self) -> dict:
         try:
-            body = json.loads(self.rfile.read(int(length)))
+            body = json.loads(self.rfile.read(self._content_length()))
         except (ValueError, RecursionError) as e:
             raise HTTPError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -577,15 +764,20 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def _discard(self, size: int) -> None:
-        """Read and drop a too-large body, so that the client reads our 413 rather than a reset."""
+        """After a 413: read and drop what the client still sends, so that it reads our answer."""
         left = min(size, DRAIN_LIMIT_BYTES)
-        while left > 0 and (chunk := self.rfile.read(min(left, 1 << 16))):
-            left -= len(chunk)
+        self.connection.settimeout(DRAIN_IDLE_S)
+        try:
+            while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
+                left -= len(chunk)
+        except OSError:  # it sends nothing more: done
+            pass
 
     def _start_events(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("X-Accel-Buffering", "no")  # nginx: pass each chunk on at once
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
@@ -596,12 +788,13 @@ class Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _send(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+    def _send(self, status: int, data: bytes, content_type: str | None,
+              headers: dict | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
+        standard = {"Content-Type": content_type, "Content-Length": str(len(data))}
+        for name, value in {**standard, **(headers or {})}.items():
+            if value is not None:
+                self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -615,11 +808,19 @@ class Handler(BaseHTTPRequestHandler):
         self._send_error(HTTPError(code, message or HTTPStatus(code).phrase))
 
     def log_message(self, format: str, *args) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
+        log.debug("%s %s " + format, self.request_id, self.address_string(), *args)
 
 
+def usage(num_prompt: int, finished: list[Event]) -> dict:
+    completion = sum(e.completion_tokens for e in finished)
+    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
+            "total_tokens": num_prompt + completion}
+
+
+# path -> (method, endpoint): every route the server answers
 ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions), "/v1/completions": ("POST", Handler.completions),
-          "/v1/models": ("GET", Handler.models), "/health": ("GET", Handler.health),
+          "/v1/models": ("GET", Handler.models), "/tokenize": ("POST", Handler.tokenize),
+          "/detokenize": ("POST", Handler.detokenize), "/health": ("GET", Handler.health),
           "/metrics": ("GET", Handler.metrics), "/": ("GET", Handler.live_page),
           "/v1/engine/events": ("GET", Handler.engine_events),
           "/v1/engine/burst": ("POST", Handler.engine_burst)}
@@ -644,17 +845,25 @@ def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server with its engine thread and metrics; `start()` serves in the background."""
+    """The HTTP server with its engine thread and metrics; `start()` serves in the background.
+
+    It may listen before the model has loaded (`attach` brings the engine): /health says 503.
+    """
 
     request_queue_size = 128  # listen backlog: a burst of clients connects at once (the default is 5)
 
-    def __init__(self, llm: LLM, host: str, port: int, model: str, api_key: str | None, max_waiting: int):
+    def __init__(self, host: str, port: int, model_names: list[str], api_key: str | None,
+                 max_waiting: int,
+                 allowed_origins: list[str], generation_config: dict):
         super().__init__((host, port), Handler)
-        self.engine, self.model, self.api_key = llm.engine, model, api_key
+        self.model_names, self.api_key, self.max_waiting = model_names, api_key, max_waiting
+        self.allowed_origins, self.generation_config = allowed_origins, generation_config
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.live = LiveView(llm.engine, model)
-        self.loop = EngineLoop(llm.engine, self.metrics, max_waiting, self.live)
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self.live: LiveView | None = None
+        self.defaults: dict = {}  # sampling defaults: the model's generation_config, then ours
         self.idle = threading.Condition()
         self.num_in_flight = 0  # connections with a request in the engine
 
@@ -663,21 +872,43 @@ class Server(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "Server":
+    @property
+    def state(self) -> str:
+        return "loading" if self.loop is None else "draining" if self.loop.stopping else "serving"
+
+    def attach(self, llm: LLM) -> "Server":
+        """Serve `llm` from now on."""
+        self.defaults = {**llm.generation_config, **self.generation_config}
+        SamplingParams(**self.defaults)  # a bad override fails here, not in every request
+        if self.defaults:
+            log.info("sampling defaults where a request says nothing: %s", self.defaults)
+        self.engine = llm.engine
+        self.live = LiveView(llm.engine, self.model_names[0])
+        self.loop = EngineLoop(llm.engine, self.metrics, self.max_waiting, self.live)
         self.loop.start()
+        return self
+
+    def start(self) -> "Server":
         threading.Thread(target=self.serve_forever, name="nanoflow-http", daemon=True).start()
         return self
 
-    def shutdown(self) -> None:
-        """End every request in flight (streams get a last chunk and [DONE]), stop the engine, stop accepting.
-
-        The engine stops first so that in-flight streams end at once; a request that arrives meanwhile gets 503.
-        """
-        self.loop.stop()
+    def shutdown(self, timeout: float = 0.0) -> tuple[int, int]:
+        """Refuse new requests (503), let those in flight finish for up to `timeout` s, end the rest
+        (streams get a last chunk and [DONE]), stop the engine, stop listening: (finished, cut)."""
+        if self.loop:
+            with self.loop.lock:
+                self.loop.stopping = True
+        with self.idle:
+            busy = self.num_in_flight
+            self.idle.wait_for(lambda: self.num_in_flight == 0, timeout)
+            cut = self.num_in_flight
+        if self.loop:
+            self.loop.stop()
         super().shutdown()
         self.server_close()
         with self.idle:
             self.idle.wait_for(lambda: self.num_in_flight == 0, SHUTDOWN_GRACE_S)
+        return busy - cut, cut
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:
@@ -691,10 +922,16 @@ class Server(ThreadingHTTPServer):
                 self.idle.notify_all()
 
 
-def make_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, model: str = DEMO_MODEL_ID,
-                api_key: str | None = None, max_waiting: int = DEFAULT_MAX_WAITING) -> Server:
-    """A server for `llm` on host:port (0 picks a free port); call `.start()`, later `.shutdown()`."""
-    return Server(llm, host, port, model, api_key, max_waiting)
+def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000, *,
+                model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
+                max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
+                generation_config: dict | None = None) -> Server:
+    """A server for `llm` (or, until `attach`, for none) on host:port (0 picks a free port); call
+    `.start()`, later `.shutdown()`. `generation_config` overrides the model's sampling defaults."""
+    names = [model] if isinstance(model, str) else list(model)
+    server = Server(host, port, names, api_key, max_waiting, list(allowed_origins),
+                    generation_config or {})
+    return server.attach(llm) if llm is not None else server
 
 
 def model_id(ckpt: str | None) -> str:
@@ -704,45 +941,80 @@ def model_id(ckpt: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible server for "
-                                "nanoflow: /v1/chat/completions, /v1/completions, /v1/models, "
-                                "/health, /metrics; a live view at /.")
+                                f"nanoflow: {', '.join(ROUTES)} (/ is a live view of the engine).")
     p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file; default: the demo "
                    f"{DEMO_MODEL_ID}, downloaded once")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
                    "only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's names in "
+                   "the API, the first in answers (default: the checkpoint's name)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a jinja2 chat template to use instead of the model's own")
     p.add_argument("--policy", choices=["tokenflow", "fcfs"], help="scheduling policy (default: the engine's; "
                    "fcfs is the vLLM/SGLang baseline)")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default: "
+                   "the model's context, lowered to what the KV pool holds)")
+    p.add_argument("--max-num-seqs", type=int, help="requests in one step at most (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per step at most (default: 2048)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="share of the GPU for weights + KV cache (default: 0.9)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks in device memory (default: what free memory holds)")
     p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "
                    "no read_rate (default: the engine's, 8)")
     p.add_argument("--tokenflow", type=TokenFlowConfig.parse, metavar="KEY=VALUE,...",
                    help=f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})")
+    p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
+                   help="sampling defaults over the model's generation_config.json, "
+                   'e.g. \'{"temperature": 0.7}\'')
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every path but /health")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser "
+                   "origins allowed to call the API (CORS), e.g. http://localhost:3000, or * "
+                   "(default: none)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests waiting for their "
                    "first token beyond which new ones get 503 with Retry-After (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, "
+                   "seconds the requests in flight may take to finish before they are cut "
+                   "(default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("nanoflow").setLevel(args.log_level.upper())
+    names = args.served_model_name or [model_id(args.ckpt)]
+    server = make_server(None, args.host, args.port, model=names, api_key=args.api_key,
+                         max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
+                         generation_config=args.override_generation_config).start()
+    print(f"nanoflow: loading {names[0]} at {server.url}/v1", flush=True)
     llm = LLM(args.ckpt, **{k: getattr(args, k) for k in LLM_OPTIONS if getattr(args, k) is not None})
-    server = make_server(llm, args.host, args.port, model=model_id(args.ckpt), api_key=args.api_key,
-                         max_waiting=args.max_waiting)
+    if args.chat_template:
+        llm.tokenizer.chat_template = args.chat_template.read_text()
+    server.attach(llm)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"nanoflow: serving {server.model} at {server.url}/v1", flush=True)
+    print(f"nanoflow: serving {names[0]} at {server.url}/v1", flush=True)
     stop.wait()
-    log.info("shutting down: ending %d requests in flight", server.num_in_flight)
-    server.shutdown()
+    log.info("shutting down: %d requests in flight may finish within %ss", server.num_in_flight,
+             args.shutdown_timeout)
+    finished, cut = server.shutdown(args.shutdown_timeout)
+    log.info("shut down: %d requests finished, %d cut", finished, cut)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import argparse
 import csv
 import dataclasses
 import functools
+import gc
 import http.client
 import importlib.util
 import json
@@ -356,8 +357,17 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity)
         runs.append(drive(engine, w, policy))
-        del engine  # its model and KV memory go before the next engine's arrive
+        del engine
+        free_device_memory()
     return runs, w, info
+
+
+def free_device_memory() -> None:
+    """The last engine's model and KV memory go before the next engine sizes its pool from what is free:
+    PyTorch's cache counts as used memory to torch.cuda.mem_get_info."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- output

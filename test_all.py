@@ -4,6 +4,8 @@ Oracles: HuggingFace transformers for the model and tokenizer, the torch referen
 kernels, an uninterrupted run for anything that batches, chunks or preempts.
 """
 
+import contextlib
+import gc
 import http.client
 import json
 import os
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -484,9 +487,10 @@ def test_extend(block_size, group, head_dim, dtype, nan_empty):
 
 
 def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
-    """Chunks longer than EXTEND_BLOCK_M on prefixes longer than both tiles: each query tile's key range ends
+    """Chunks longer than the query tile on prefixes longer than both tiles: each query tile's key range ends
     at its own last position, far past the chunk's length."""
-    chunks = [(100, 200), (2 * attention.EXTEND_BLOCK_M, 129), (attention.EXTEND_BLOCK_M + 1, 3)]
+    block_m = attention.EXTEND_TILES_FP32[0]
+    chunks = [(100, 200), (2 * block_m, 129), (block_m + 1, 3)]
     q, pool, meta = make_batch([n for n, _ in chunks], [n + p for n, p in chunks], 0, 16, 2, 2, 64, torch.float32)
     out = attention.paged_attention_triton(q, *kv_views(pool), meta, 0.125)
     assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, 0.125)) <= TOL[torch.float32]
@@ -523,6 +527,15 @@ def test_backend_choice(monkeypatch):
         attention.attention_backend(torch.device("cpu"))
 
 
+def test_kernels_launch_on_their_tensors_device(monkeypatch):
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    for device in (torch.device("cuda", 1), torch.device("cpu")):
+        with attention.launch_device(device):
+            pass
+    assert entered == [torch.device("cuda", 1)]
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_llama_mixed_step(monkeypatch):
@@ -553,6 +566,92 @@ def test_cuda_llama_decode_splits(batch, context):
     q, pool, meta = make_batch([1] * batch, seq_lens, batch, 16, 8, 4, 128, torch.bfloat16)
     args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 128 ** -0.5)
     assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 2e-2
+
+
+# ---------------------------------------------------------------- kernels compiled for real GPUs, on the CPU
+
+SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227}  # shared memory one block may use, per compute capability
+GPU_MODELS = {"llama3-8b": (128, 32, 8), "qwen2.5-32b": (128, 40, 8), "qwen2.5-0.5b": (64, 14, 2),
+              "smollm2-135m": (64, 9, 3)}  # head_dim, heads, kv heads
+KERNEL_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def compile_kernels(cases: list[list]) -> list[dict]:
+    """Compile each [kernel, model, dtype, capability] to a cubin with the launchers' own constexprs, and read
+    its shared memory (Triton's metadata) and register spills (ptxas -v). Needs TRITON_INTERPRET=0: run it
+    in a fresh process (compile_in_subprocess)."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.compiler import ASTSource
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    pointers = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    results = []
+    for kernel, model, dtype, cc in cases:
+        head_dim, heads, kv_heads = GPU_MODELS[model]
+        fn, config = {
+            "store_kv": (attention._store_kv_kernel, attention.store_kv_config(16, kv_heads, head_dim)),
+            "decode": (attention._decode_split_kernel, attention.decode_config(heads // kv_heads, head_dim, 16, dtypes[dtype])),
+            "merge": (attention._decode_merge_kernel, attention.merge_config(head_dim, attention.DECODE_MAX_SPLITS)),
+            "extend": (attention._extend_kernel,
+                       attention.extend_config(heads // kv_heads, head_dim, 16, dtypes[dtype]))}[kernel]
+        options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
+        signature, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            signature[name] = "constexpr" if name in config else pointers.get(name) or (
+                f"*{dtype}" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
+            if signature[name].startswith("*") or name.startswith("stride"):  # as a launch specializes them
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(fn, signature, config, attrs), target=GPUTarget("cuda", cc, 32),
+                                  options=options)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            log = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={sm_arch_from_capability(cc)}", ptx.name,
+                                  "-o", os.devnull], capture_output=True, text=True, check=True).stderr
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+        results.append(dict(case=f"{kernel} {model} {dtype} sm_{cc}", shared=compiled.metadata.shared,
+                            spills=spills, fits=compiled.metadata.shared <= SMEM_KIB[cc] << 10 and spills == 0))
+    return results
+
+
+def compile_in_subprocess(cases: list[list]) -> list[dict]:
+    """compile_kernels in a process that imported triton with TRITON_INTERPRET=0 (the interpreter's jit
+    functions cannot be compiled)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    code = "import json, sys, test_all; print(json.dumps(test_all.compile_kernels(json.loads(sys.argv[1]))))"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def assert_kernels_fit(cases: list[list]) -> None:
+    results = compile_in_subprocess(cases)
+    assert len(results) == len(cases)
+    misfits = [f"{r['case']}: {r['shared'] / 1024:.0f} KiB shared, {r['spills']} bytes spilled"
+               for r in results if not r["fits"]]
+    assert not misfits, "\n".join(misfits)
+
+
+KERNELS = ("store_kv", "decode", "merge", "extend")
+
+
+def test_kernels_compile_within_each_gpu():
+    """A representative subset (the rest: -m compile_all): Llama-3-8B's shapes on sm_86, the tightest shared
+    memory (99 KiB), in bf16 and fp32 (fp32 extend tiles once needed 112 KiB there); the demo's on sm_90."""
+    assert_kernels_fit([[k, "llama3-8b", dtype, 86] for k in KERNELS for dtype in ("bf16", "fp32")]
+                       + [[k, "smollm2-135m", "bf16", 90] for k in KERNELS])
+
+
+@pytest.mark.compile_all
+@pytest.mark.parametrize("cc", sorted(SMEM_KIB))
+def test_every_kernel_compiles_within_the_gpu(cc):
+    assert_kernels_fit([[k, m, d, cc] for k in KERNELS for m in GPU_MODELS for d in KERNEL_DTYPES])
 
 
 def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
@@ -728,6 +827,37 @@ def test_swap_round_trip_across_staging_chunks(monkeypatch):
     for i, block in enumerate(req.block_table):
         assert torch.equal(device.kv_cache[block], kv[i]), f"block {i} of the request"
     assert device.kv_cache.isnan().sum() == (device.num_blocks - 11) * device.kv_cache[0].numel()
+
+
+def test_swapper_pools_die_with_it_without_the_garbage_collector():
+    """bench.py builds one engine after another: a reference cycle through the swapper would keep the first
+    engine's KV pools alive, and the next engine would size its pool from the memory they still hold."""
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    device, host = KVPool(8, *shape), KVPool(8, *shape, host=True)
+    swapper = Swapper(device, host)
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0, num_computed_tokens=20)
+    assert device.grow(req.block_table, 20)
+    swapper.write_through([req], max_blocks=2)
+    assert swapper.evict(req) and swapper.last_use != [None, None]
+    pools = [weakref.ref(device.kv_cache), weakref.ref(host.kv_cache)]
+    gc.disable()
+    try:
+        del swapper, device, host
+        assert [p() for p in pools] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_pinned_host_pool_pins_exactly_its_bytes_until_it_dies(monkeypatch):
+    calls = []
+    cudart = types.SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("pin", ptr, n)) or 0,
+                                   cudaHostUnregister=lambda ptr: calls.append(("unpin", ptr)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host = KVPool(5, 2, 4, 3, 8, torch.float16, torch.device("cuda"), host=True)
+    ptr = host.kv_cache.data_ptr()
+    assert calls == [("pin", ptr, 5 * 2 * 2 * 4 * 3 * 8 * 2)]  # blocks x layers x (K, V) x tokens x heads x dim x 2 B
+    del host
+    assert calls[1:] == [("unpin", ptr)]
 
 
 def test_kv_pool_hands_out_each_block_once():

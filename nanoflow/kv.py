@@ -8,6 +8,7 @@ block_size] * block_size + i % block_size`. The scheduler asks this pool for roo
 request; the runner asks it for the step's `slot_mapping` and `block_tables`.
 """
 
+import weakref
 from collections import deque
 
 import torch
@@ -33,12 +34,23 @@ class KVPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         if host:  # in CPU memory, pinned for DMA; every block is written before it is read
-            self.kv_cache = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+            self.kv_cache = torch.empty(shape, dtype=dtype)
+            if device.type == "cuda":
+                self._pin()
         else:  # zeros: padded block-table entries point at block 0 and must read as finite numbers
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = self.kv_cache[0].numel() * self.kv_cache.element_size()
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
+
+    def _pin(self) -> None:
+        """Page-lock exactly this pool (pin_memory=True rounds up to a power of two: 100 GiB would pin 128),
+        until the pool is collected."""
+        cudart, ptr = torch.cuda.cudart(), self.kv_cache.data_ptr()
+        nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:  # cudaSuccess
+            raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; lower host_kv_gb")
+        weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""

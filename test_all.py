@@ -1714,6 +1714,24 @@ def test_bench_gpu_modes_explain_themselves_without_cuda(capsys):
     assert capsys.readouterr().out.count("needs a CUDA GPU") == 2
 
 
+def test_gpu_check_on_a_cpu_skips_what_needs_a_gpu_and_survives_a_failure(ckpt, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --gpu-check would measure it")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    bench.main(["--gpu-check", "--ckpt", str(ckpt), *BENCH_WORKLOAD, "--json", str(good)])
+    bench.main(["--gpu-check", "--ckpt", str(tmp_path / "missing"), "--burst", "4", "--json", str(bad)])
+    out = capsys.readouterr().out
+    steps = json.loads(good.read_text())["steps"]
+    assert list(steps) == ["cuda tests", "kernels", "transfers", "decode", "burst"]
+    assert all(r["status"] == "skipped" and "needs a CUDA GPU" in r["summary"] for r in list(steps.values())[:4])
+    burst = steps["burst"]
+    assert burst["status"] == "ran" and list(burst["policies"]) == ["fcfs", "tokenflow"]
+    assert all(m["completed"] == 4 for m in burst["policies"].values())
+    failed = json.loads(bad.read_text())["steps"]["burst"]
+    assert failed["status"] == "failed" and "missing" in failed["summary"]
+    assert out.count("| burst | ran |") == 1 and out.count("| burst | failed |") == 1
+
+
 class SlowCopy:
     """A stand-in for a CUDA event: its copy is done once waited for, or after a few polls."""
 

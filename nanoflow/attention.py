@@ -30,9 +30,9 @@ except ImportError:
 LOG2E = math.log2(math.e)  # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
 # Extend tiles: (query tokens per program, keys per loop step, warps). Each was compiled for sm_80 to
 # sm_90 (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no register spills.
-# fp32 dots run on FMA units with whole tiles in registers: small tiles, twice the warps. 16-bit
-# tiles at head_dim 128 take half the keys per step, or they spill on sm_80/sm_86.
-EXTEND_TILES_FP32 = (32, 32, 8)
+# fp32 dots run on FMA units with whole tiles in registers: small tiles (32 x 32 in 8 warps still
+# spills on sm_90). 16-bit tiles at head_dim 128 take half the keys per step, or they spill on sm_80/86.
+EXTEND_TILES_FP32 = (32, 16, 4)
 EXTEND_TILES_16BIT = (64, 64, 4)
 EXTEND_TILES_16BIT_WIDE = (64, 32, 4)  # head_dim > 64
 DECODE_BLOCK_N = 64  # keys per step of the decode loop

@@ -235,10 +235,11 @@ def clamp_read_rate(rate: float) -> float:
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
+    """A torch dtype, or None for auto (load_model picks)."""
+    if dtype in (None, "auto") or isinstance(dtype, torch.dtype):
+        return None if dtype == "auto" else dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; use auto or one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 
 

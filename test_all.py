@@ -148,6 +148,26 @@ def test_continuous_batching_matches_one_by_one(tiny):
     assert [o.token_ids for o in outs] == [e[:8 + i] for i, e in enumerate(expected)]
 
 
+def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
+    """Decode-only steps through the static buffers that CUDA graphs replay (run eagerly here): batches of 7 down
+    to 1 padded to 8, 4, 2, as requests finish and new ones join with fresh block tables, give exactly the
+    tokens of the eager engine."""
+    path, _ = tiny
+    prompts = random_prompts(12, TINY["vocab_size"], seed=5, lengths=(1, 60))
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(12)]
+    eager = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
+    padded = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
+    graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
+    assert graphs.sizes == [1, 2, 4, 7]
+    batches = []
+    run = graphs.run
+    graphs.run = lambda ids, *args: batches.append(len(ids)) or run(ids, *args)
+    outs = padded.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert {3, 5, 6} <= set(batches)  # padded sizes were exercised
+    assert padded.stats()["device_blocks_free"] == 128
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
 def test_small_pool_preempts_and_frees_everything(tiny, policy):
     path, _ = tiny
@@ -444,10 +464,15 @@ def test_store_kv(block_size, kv_heads, head_dim, dtype, monkeypatch):
     _, pool, meta = make_batch(query_lens, [9, block_size + 1, 2 * block_size + 2], 0, block_size, kv_heads, 1,
                                head_dim, dtype)
     kv = torch.randn(sum(query_lens), 2, kv_heads, head_dim, dtype=dtype, device=DEVICE)  # k, v: strided views
+    slots = meta.slot_mapping.clone()
+    slots[::4] = -1  # padding rows of a CUDA graph's batch: nothing to store
+    real = slots >= 0
     expected = pool.clone()
-    attention.store_kv_ref(kv[:, 0], kv[:, 1], *kv_views(expected), meta.slot_mapping)
-    attention.store_kv(kv[:, 0], kv[:, 1], *kv_views(pool), meta.slot_mapping)
-    assert torch.equal(pool, expected)  # new slots written, every other element of the pool untouched
+    attention.store_kv_ref(kv[real, 0], kv[real, 1], *kv_views(expected), slots[real])
+    for store in (attention.store_kv_ref, attention.store_kv):
+        written = pool.clone()
+        store(kv[:, 0], kv[:, 1], *kv_views(written), slots)
+        assert torch.equal(written, expected)  # new slots written, every other element of the pool untouched
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype", [

@@ -50,7 +50,7 @@ DECODE_TARGET_PROGRAMS = 512  # enough decode programs to fill a large GPU a few
 class AttnMetadata:
     """Where the new tokens of one step go and what each sequence attends to."""
 
-    slot_mapping: Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    slot_mapping: Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token; -1: padding
     block_tables: Tensor  # [num_seqs, max_blocks] int32, padded with 0
     seq_lens: Tensor  # [num_seqs] int32: KV length after this step (cached prefix + new tokens)
     query_start_loc: Tensor  # [num_seqs + 1] int32: cu_seqlens of the new tokens
@@ -97,9 +97,10 @@ def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
 def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write new K/V [num_tokens, kv_heads, head_dim] into cache views [num_blocks, block_size, kv_heads, head_dim]."""
     block_size = k_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    real = slot_mapping >= 0
+    blocks, offsets = slot_mapping[real] // block_size, slot_mapping[real] % block_size
+    k_cache[blocks, offsets] = k[real]
+    v_cache[blocks, offsets] = v[real]
 
 
 @_jit
@@ -109,6 +110,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
     # One program copies one new token's K and V (all KV heads) into its slot of the pool.
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64: block offsets can pass 2**31 elements in a big pool
+    if slot < 0:
+        return  # a padding row of a CUDA graph's batch
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < KV_HEADS) & (d < HEAD_DIM)

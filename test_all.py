@@ -552,6 +552,14 @@ def test_backend_choice(monkeypatch):
         attention.attention_backend(torch.device("cpu"))
 
 
+def test_auto_dtype():
+    from nanoflow.model import CPU_DTYPE, auto_dtype
+    cuda = torch.device("cuda")
+    assert auto_dtype(torch.device("cpu"), "bfloat16") == CPU_DTYPE
+    assert [auto_dtype(cuda, d) for d in ("float16", "bfloat16", "float32", None)] == [torch.float16] + [
+        torch.bfloat16] * 3
+
+
 def test_kernels_launch_on_their_tensors_device(monkeypatch):
     entered = []
     monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())

@@ -28,6 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
+import nanoflow.model  # noqa: E402
 from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
 from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
@@ -36,6 +37,8 @@ from nanoflow.model import IncrementalDetokenizer, demo_checkpoint, sample  # no
 from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402
+
+nanoflow.model.CPU_DTYPE = torch.float32  # the tests hold the engine to fp32 references, whatever --dtype auto picks here
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
@@ -553,9 +556,9 @@ def test_backend_choice(monkeypatch):
 
 
 def test_auto_dtype():
-    from nanoflow.model import CPU_DTYPE, auto_dtype
+    from nanoflow.model import auto_dtype
     cuda = torch.device("cuda")
-    assert auto_dtype(torch.device("cpu"), "bfloat16") == CPU_DTYPE
+    assert auto_dtype(torch.device("cpu"), "bfloat16") == torch.float32  # CPU_DTYPE, as the tests set it
     assert [auto_dtype(cuda, d) for d in ("float16", "bfloat16", "float32", None)] == [torch.float16] + [
         torch.bfloat16] * 3
 

@@ -333,7 +333,8 @@ def engine_factory(args: argparse.Namespace, w: Workload):
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config,
                                  charge_scheduler=not args.uncharged)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
-    options = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
+    options = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                   num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
                    max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
@@ -364,8 +365,8 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
 
 
 def free_device_memory() -> None:
-    """The last engine's model and KV memory go before the next engine sizes its pool from what is free:
-    PyTorch's cache counts as used memory to torch.cuda.mem_get_info."""
+    """The last engine's model and KV memory go before the next engine sizes its pool from what is
+    free (PyTorch's cache counts as used to torch.cuda.mem_get_info)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -578,7 +579,7 @@ def seconds(fn) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s (read + write) of one big device-to-device copy: the floor every other rate is held to."""
+    """Bytes/s (read + write) of one big device-to-device copy: what other rates are held to."""
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * COPY_BYTES / cuda_time(lambda: dst.copy_(src))
@@ -602,10 +603,11 @@ def bench_kernels() -> dict:
                                                           head_dim ** -0.5))
             nbytes = pool.numel() * pool.element_size() + 2 * q.numel() * q.element_size()  # K + V, q, out
             print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {nbytes / s / peak:>7.0%}")
-            rows.append(dict(batch=batch, context=context, seconds=s, share_of_copy=nbytes / s / peak))
+            rows.append(dict(batch=batch, context=context, seconds=s,
+                             share_of_copy=nbytes / s / peak))
     worst = min(r["share_of_copy"] for r in rows if r["batch"] >= 32 and r["context"] >= 2048)
-    return dict(copy_bytes_per_s=peak, rows=rows, summary=f"decode kernel >= {worst:.0%} of copy bandwidth "
-                "at batch >= 32, context >= 2k (target 70%)")
+    return dict(copy_bytes_per_s=peak, rows=rows, summary=f"decode kernel >= {worst:.0%} of copy "
+                "bandwidth at batch >= 32, context >= 2k (target 70%)")
 
 
 def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
@@ -654,8 +656,8 @@ def bench_transfers() -> dict:
     shares = (to_host / raw[0], to_device / raw[1])
     slowdown = bench_decode_beside_write_through()
     return dict(to_host_share=shares[0], to_device_share=shares[1], write_through_slowdown=slowdown,
-                summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through slows decode by "
-                f"{slowdown:.1%} (target <= 5%)")
+                summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through "
+                f"slows decode by {slowdown:.1%} (target <= 5%)")
 
 
 def random_model(device: str) -> Transformer:
@@ -670,48 +672,53 @@ def random_model(device: str) -> Transformer:
     return model.eval()
 
 
-def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int, graphs: bool = False):
-    """One decode step's forward for `batch` sequences of `context` tokens, each owning consecutive blocks of
-    pool (eager, or replayed from a CUDA graph captured as the engine does); and their block tables."""
+def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
+                   graphs: bool = False):
+    """One decode step's forward for `batch` sequences of `context` tokens, each owning consecutive
+    blocks of pool (eager, or a CUDA graph captured as the engine does); and their block tables."""
     device, per_seq = pool.kv_cache.device, context // BLOCK_SIZE
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    meta, positions = build_metadata(tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE, device)
+    meta, positions = build_metadata(tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE,
+                                     device)
     ids = torch.randint(model.config.vocab_size, (batch,), device=device)
     rows, caches = torch.arange(batch, device=device), pool.layer_caches()
     if graphs:
-        runner = DecodeGraphs(model, caches, [batch], model.config.max_position_embeddings, BLOCK_SIZE, True)
+        runner = DecodeGraphs(model, caches, [batch], model.config.max_position_embeddings,
+                              BLOCK_SIZE, capture=True)
         return (lambda: runner.run(ids, positions, meta)), tables
     return (lambda: model(ids, positions, caches, meta, rows)), tables
 
 
 def bench_decode_speed(device: str = "cuda") -> dict:
-    """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor: the weights and
-    the batch's KV read once per step at the measured copy rate."""
+    """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor:
+    the weights and the batch's KV read once per step at the measured copy rate."""
     from nanoflow.sim import LLAMA3_8B
     model, peak, rows = random_model(device), copy_bandwidth(), []
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     for batch in GPU_CHECK_BATCHES:
-        pool = KVPool(batch * DECODE_CONTEXT // BLOCK_SIZE, LLAMA3_8B.num_hidden_layers, BLOCK_SIZE,
-                      LLAMA3_8B.num_key_value_heads, LLAMA3_8B.head_dim, torch.bfloat16, torch.device(device))
+        c = LLAMA3_8B
+        pool = KVPool(batch * DECODE_CONTEXT // BLOCK_SIZE, c.num_hidden_layers, BLOCK_SIZE,
+                      c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
         floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak
         for mode in ("eager", "graphs"):
             s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
             rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
                              share_of_floor=floor / s))
-            print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of the bandwidth floor")
+            print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of "
+                  "the bandwidth floor")
         del pool
         free_device_memory()
-    return dict(rows=rows, summary="; ".join(f"batch {r['batch']} {r['mode']}: {r['tokens_per_s']:.0f} tok/s = "
-                                             f"{r['share_of_floor']:.0%} of floor" for r in rows)
-                + " (target: batch 1 with graphs >= 90%)")
+    shares = [f"batch {r['batch']} {r['mode']} {r['share_of_floor']:.0%}" for r in rows]
+    return dict(rows=rows, summary=f"share of the bandwidth floor: {', '.join(shares)} (target: "
+                "batch 1 with graphs >= 90%)")
 
 
 def bench_decode_beside_write_through(device: str = "cuda") -> float:
     """One decode step at batch 64, alone and right after the engine's per-step write-through is queued."""
     sw = llama_swapper(DECODE_BATCH * DECODE_CONTEXT // BLOCK_SIZE, device)
     forward, tables = decode_forward(random_model(device), sw.device, DECODE_BATCH, DECODE_CONTEXT)
-    reqs = [SimpleNamespace(block_table=t, host_block_table=[], num_computed_tokens=DECODE_CONTEXT - 1,
-                            num_host_tokens=0) for t in tables]
+    reqs = [SimpleNamespace(block_table=t, host_block_table=[], num_host_tokens=0,
+                            num_computed_tokens=DECODE_CONTEXT - 1) for t in tables]
 
     def step():
         forward()
@@ -732,14 +739,14 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
     return beside / alone - 1
 
 
-# ---------------------------------------------------------------- --gpu-check: every GPU measurement, in one go
+# ---------------------------------------------------------------- --gpu-check: all of it, in one go
 
 
 def run_cuda_tests() -> dict:
     """The test suite's `cuda`-marked tests, compiled kernels on the real device."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"], capture_output=True,
-                         text=True, env=env, cwd=Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parent)
     last = (out.stdout.strip().splitlines() or ["no output"])[-1]
     if out.returncode != 0:
         raise RuntimeError(f"{last}\n{out.stdout[-3000:]}")
@@ -753,13 +760,14 @@ def burst_check(args: argparse.Namespace) -> dict:
     print(table(runs))
     f, t = (r.summary for r in runs)
     return dict(policies={r.name: r.summary for r in runs}, engine=info["engine"],
-                summary=f"TTFT p99 {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} s, effective throughput "
-                f"{t['effective_throughput'] / f['effective_throughput']:.2f}x (fcfs -> tokenflow, {len(w)} requests)")
+                summary=f"TTFT p99 {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} s, effective "
+                f"throughput {t['effective_throughput'] / f['effective_throughput']:.2f}x (fcfs -> "
+                f"tokenflow, {len(w)} requests)")
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
-    """Each step in order; a step that needs a GPU is skipped without one, and a failure is recorded, never
-    raised, so that one run reports on everything."""
+    """Each step in order; a step that needs a GPU is skipped without one, and a failure is
+    recorded, never raised, so that one run reports on everything."""
     steps = [("cuda tests", True, run_cuda_tests), ("kernels", True, bench_kernels),
              ("transfers", True, bench_transfers), ("decode", True, bench_decode_speed),
              ("burst", False, lambda: burst_check(args))]
@@ -771,13 +779,16 @@ def gpu_check(args: argparse.Namespace) -> dict:
             continue
         try:
             results[name] = dict(status="ran", **fn())
-        except Exception as e:  # noqa: BLE001 (one step's failure must not hide the others' results)
-            results[name] = dict(status="failed", summary=f"{type(e).__name__}: {e}".splitlines()[0], error=str(e))
+        except Exception as e:  # noqa: BLE001 (one step's failure must not hide the others')
+            first_line = f"{type(e).__name__}: {e}".splitlines()[0]
+            results[name] = dict(status="failed", summary=first_line, error=str(e))
         free_device_memory()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"no GPU, {os.cpu_count()} CPUs"
+    cpus = f"no GPU, {os.cpu_count()} CPUs"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpus
     report = dict(device=device, torch=torch.__version__, steps=results)
-    Path(args.json or GPU_CHECK_JSON).write_text(json.dumps(report, indent=2, default=str))
-    print(f"\ngpu-check on {device} (torch {torch.__version__}); JSON in {args.json or GPU_CHECK_JSON}")
+    path = args.json or GPU_CHECK_JSON
+    Path(path).write_text(json.dumps(report, indent=2, default=str))
+    print(f"\ngpu-check on {device} (torch {torch.__version__}); JSON in {path}")
     print("| step | status | result |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['status']} | {r['summary']} |")
@@ -798,7 +809,8 @@ def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, n
     dtype = llm.engine.model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
     print(f"dtype: {dtype}")
     hf_kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    hf = AutoModelForCausalLM.from_pretrained(path.parent if hf_kwargs else path, dtype=dtype, **hf_kwargs).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent if hf_kwargs else path, dtype=dtype,
+                                              **hf_kwargs).eval()
     rng = random.Random(0)
     vocab = llm.engine.model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -849,8 +861,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     add("--device", help="cuda or cpu (default: cuda when available)")
     add("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's on GPU; "
-        "nanoflow.model.CPU_DTYPE on CPU) (default: %(default)s)")
+    add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's on "
+        "GPU; nanoflow.model.CPU_DTYPE on CPU) (default: %(default)s)")
     add("--num-kv-blocks", type=int, help=f"device KV blocks of {BLOCK_SIZE} tokens")
     add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
         f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
@@ -862,9 +874,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs (needs matplotlib)")
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps, and decode beside write-through (GPU only)")
-    add("--gpu-check", action="store_true", help="everything to run first on a GPU, in order: the cuda tests, "
-        "--kernels, --transfers, decode speed against the bandwidth floor, a short burst; one JSON (--json, "
-        f"default {GPU_CHECK_JSON}) and one table; steps that need a GPU say so and are skipped without one")
+    add("--gpu-check", action="store_true", help="what to run first on a GPU, in order: the cuda "
+        "tests, --kernels, --transfers, decode speed against the bandwidth floor, a short burst; "
+        f"one JSON (--json, default {GPU_CHECK_JSON}) and one table; without a GPU the steps that "
+        "need one say so")
     add("--vs-transformers", action="store_true", help="compare LLM.generate with transformers' generate")
     add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate every regime of the matrix (bursts, Poisson up to "
         "overload, tight memory, long prompts, readers, traces) under both policies; one table with a verdict per row (FILTER: only rows whose name contains it)")
@@ -872,8 +885,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens generated per prompt")
     args = ap.parse_args(argv)
-    if not (args.burst or args.poisson or args.trace or args.gpu_check or args.kernels or args.transfers or args.vs_transformers
-            or args.calibrate or args.matrix is not None or args.sched_cost):
+    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.calibrate,
+             args.matrix is not None, args.sched_cost)
+    if not (args.burst or args.poisson or args.trace or any(modes)):
         ap.error("choose a workload (--burst, --poisson or --trace) or --kernels, --transfers, --vs-transformers, "
                  "--calibrate")
     try:

@@ -28,10 +28,11 @@ except ImportError:
     triton = tl = None
 
 LOG2E = math.log2(math.e)  # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
-# Extend tiles: (query tokens per program, keys per loop step, warps). Each was compiled for sm_80 to
-# sm_90 (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no register spills.
-# fp32 dots run on FMA units with whole tiles in registers: small tiles (32 x 32 in 8 warps still
-# spills on sm_90). 16-bit tiles at head_dim 128 take half the keys per step, or they spill on sm_80/86.
+# Extend tiles: (query tokens per program, keys per loop step, warps). Each was compiled for
+# sm_80 to sm_90 (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no
+# register spills. fp32 dots run on FMA units with whole tiles in registers: small tiles (32 x 32
+# in 8 warps still spills on sm_90). 16-bit tiles at head_dim 128 take half the keys per step, or
+# they spill on sm_80/86.
 EXTEND_TILES_FP32 = (32, 16, 4)
 EXTEND_TILES_16BIT = (64, 64, 4)
 EXTEND_TILES_16BIT_WIDE = (64, 32, 4)  # head_dim > 64
@@ -50,7 +51,8 @@ DECODE_TARGET_PROGRAMS = 512  # enough decode programs to fill a large GPU a few
 class AttnMetadata:
     """Where the new tokens of one step go and what each sequence attends to."""
 
-    slot_mapping: Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token; -1: padding
+    # [num_tokens] int64: block_id * block_size + offset of each new token; -1: a padding row
+    slot_mapping: Tensor
     block_tables: Tensor  # [num_seqs, max_blocks] int32, padded with 0
     seq_lens: Tensor  # [num_seqs] int32: KV length after this step (cached prefix + new tokens)
     query_start_loc: Tensor  # [num_seqs + 1] int32: cu_seqlens of the new tokens
@@ -131,7 +133,7 @@ def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot
 
 
 def store_kv_config(block_size: int, kv_heads: int, head_dim: int) -> dict:
-    """The store kernel's constexprs (the launcher and the compile tests both take them from here)."""
+    """The store kernel's constexprs (for its launcher and for the compile tests alike)."""
     return dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                 BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
@@ -282,7 +284,7 @@ def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 
 
 def decode_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
-    """The decode split kernel's constexprs and warps; rows past the group pad it up to tl.dot's 16."""
+    """The decode split kernel's constexprs and warps; padding rows make the group tl.dot's 16."""
     return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
                 BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(),
@@ -354,7 +356,8 @@ def _extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: 
     heads, head_dim = q.shape[1:]
     nd = meta.num_decodes
     config = extend_config(heads // k_cache.shape[2], head_dim, k_cache.shape[1], q.dtype)
-    grid = (triton.cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"]), heads, len(meta.query_lens) - nd)
+    num_m_blocks = triton.cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"])
+    grid = (num_m_blocks, heads, len(meta.query_lens) - nd)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E, nd,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
@@ -366,9 +369,11 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
     if dtype == torch.float32:
         block_m, block_n, num_warps = EXTEND_TILES_FP32
     else:
-        block_m, block_n, num_warps = EXTEND_TILES_16BIT_WIDE if head_dim > 64 else EXTEND_TILES_16BIT
-    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(), num_warps=num_warps)
+        wide = head_dim > 64
+        block_m, block_n, num_warps = EXTEND_TILES_16BIT_WIDE if wide else EXTEND_TILES_16BIT
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(),
+                num_warps=num_warps)
 
 
 # ---------------------------------------------------------------- the whole batch
@@ -407,7 +412,7 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
 
 
 def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Triton launches on the thread's current CUDA device, not the tensors': make it theirs (cuda:1 too)."""
+    """Triton launches on the thread's current CUDA device: make it the tensors' (cuda:1 too)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 

@@ -42,7 +42,8 @@ class Engine:
         self.device = self.kv.kv_cache.device if model else torch.device("cpu")
         self.kv_caches = self.kv.layer_caches() if model else []
         self.max_model_len = config.max_position_embeddings
-        self.graphs = None if enforce_eager or self.device.type != "cuda" else self.decode_graphs(capture=True)
+        eager = enforce_eager or self.device.type != "cuda"
+        self.graphs = None if eager else self.decode_graphs(capture=True)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -134,7 +135,7 @@ class Engine:
                                          sum(n == 1 for n in query_lens), self.kv.block_size, self.device)
         input_ids = [t for r, c, n in zip(reqs, computed, query_lens) for t in r.token_ids[c:c + n]]
         ids = torch.tensor(input_ids, device=self.device)
-        if self.graphs and meta.num_decodes == len(samplers) == len(reqs):  # decode-only: one padded graph
+        if self.graphs and meta.num_decodes == len(samplers) == len(reqs):  # decode-only
             logits = self.graphs.run(ids, positions, meta)
         else:
             ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
@@ -144,10 +145,11 @@ class Engine:
         return sample(logits, [r.params for r, _ in samplers], [r.generator for r, _ in samplers])
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
-        """Static decode buffers for every batch up to max_num_seqs; captured as CUDA graphs if `capture`."""
+        """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
         most = self.scheduler.max_num_seqs
-        sizes = [s for s in [1, 2, 4, *range(GRAPH_BATCH_STEP, most, GRAPH_BATCH_STEP)] if s < most] + [most]
-        return DecodeGraphs(self.model, self.kv_caches, sizes, self.max_model_len, self.kv.block_size, capture)
+        sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, most, GRAPH_BATCH_STEP)]
+        return DecodeGraphs(self.model, self.kv_caches, [s for s in sizes if s < most] + [most],
+                            self.max_model_len, self.kv.block_size, capture)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append(token, self.clock())
@@ -179,57 +181,60 @@ class Engine:
 class DecodeGraphs:
     """Decode-only steps at padded batch sizes, through static input, metadata and output buffers.
 
-    On CUDA each size is captured once as a CUDA graph and replayed (launching a step's hundreds of
-    kernels costs about as much as an 8B model's whole step at batch 1); elsewhere the same padded
-    forward runs eagerly, so that the padding is tested on a CPU. Before each replay the real rows are
-    written into the buffers (block tables change as requests grow, are swapped in or replaced); padding
-    rows store nothing (slot -1) and attend to one token. The decode split count is fixed by the model's
-    context, not the batch's longest sequence, so that one capture serves every step of that size.
+    On CUDA each size is captured once as a CUDA graph and replayed (launching a step's hundreds
+    of kernels costs about as much as an 8B model's whole step at batch 1); elsewhere the same
+    padded forward runs eagerly, so that the padding is tested on a CPU. Before each replay the
+    real rows are written into the buffers (block tables change as requests grow, are swapped in
+    or replaced); padding rows store nothing (slot -1) and attend to one token. The decode split
+    count follows the model's context, not the batch's longest sequence, so that one capture
+    serves every step of its size.
     """
 
-    def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int, block_size: int,
-                 capture: bool):
-        self.model, self.kv_caches, self.sizes, self.max_model_len = model, kv_caches, sorted(sizes), max_model_len
+    def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
+                 block_size: int, capture: bool):
+        self.model, self.kv_caches = model, kv_caches
+        self.sizes, self.max_model_len = sorted(sizes), max_model_len
         n, device = self.sizes[-1], kv_caches[0][0].device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.input_ids)
+        self.slot_mapping = torch.full_like(self.input_ids, -1)
         self.rows = torch.arange(n, device=device)
-        self.meta = AttnMetadata(slot_mapping=torch.full((n,), -1, device=device),
-                                 block_tables=torch.zeros(n, cdiv(max_model_len, block_size), dtype=torch.int32,
-                                                          device=device),
-                                 seq_lens=torch.ones(n, dtype=torch.int32, device=device),
-                                 query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-                                 num_decodes=n, query_lens=[1] * n, seq_lens_list=[max_model_len] * n)
+        self.block_tables = torch.zeros(n, cdiv(max_model_len, block_size), dtype=torch.int32,
+                                        device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
 
     def _forward(self, size: int) -> torch.Tensor:
-        m = self.meta
-        meta = AttnMetadata(m.slot_mapping[:size], m.block_tables[:size], m.seq_lens[:size],
-                            m.query_start_loc[:size + 1], size, [1] * size, [self.max_model_len] * size)
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.rows[:size])
+        meta = AttnMetadata(self.slot_mapping[:size], self.block_tables[:size],
+                            self.seq_lens[:size], self.query_start_loc[:size + 1], size, [1] * size,
+                            [self.max_model_len] * size)
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta,
+                          self.rows[:size])
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its memory
-            self._forward(size)  # Triton compiles and autotunes outside the capture
+            self._forward(size)  # Triton compiles outside the capture
             self.graphs[size] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graphs[size], pool=pool):
                 self.logits[size] = self._forward(size)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """Logits of a decode-only batch: its rows first, then padding up to the next captured size."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttnMetadata) -> torch.Tensor:
+        """Logits of a decode-only batch: its rows first, then padding up to the next size."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.meta.slot_mapping[:n] = meta.slot_mapping
-        self.meta.slot_mapping[n:size] = -1
-        self.meta.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
-        self.meta.seq_lens[:n] = meta.seq_lens
-        self.meta.seq_lens[n:size] = 1
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:size] = -1
+        self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+        self.seq_lens[:n] = meta.seq_lens
+        self.seq_lens[n:size] = 1
         if size in self.graphs:
             self.graphs[size].replay()
             return self.logits[size][:n]

@@ -44,12 +44,13 @@ class KVPool:
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
 
     def _pin(self) -> None:
-        """Page-lock exactly this pool (pin_memory=True rounds up to a power of two: 100 GiB would pin 128),
-        until the pool is collected."""
+        """Page-lock exactly this pool until it is collected (pin_memory=True rounds up to a power
+        of two: 100 GiB would pin 128)."""
         cudart, ptr = torch.cuda.cudart(), self.kv_cache.data_ptr()
         nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
         if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:  # cudaSuccess
-            raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; lower host_kv_gb")
+            raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; "
+                               "lower host_kv_gb")
         weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:

@@ -291,16 +291,17 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
     return cfg, state, tok
 
 
-# --dtype auto on CPU. Measured on a 2-core Xeon with AMX, demo model, 128-token prompts, 32 new tokens,
-# one thread, best of 3: bf16 decodes 1 prompt at 17.6 tok/s (fp32: 15.8) and 16 prompts at 140 (fp32:
-# 65). Without native bf16 units (AMX or AVX512-BF16) bf16 matmuls are emulated: fp32 there.
+# --dtype auto on CPU. Measured on a 2-core Xeon with AMX, demo model, 128-token prompts, 32 new
+# tokens, one thread, best of 3: bf16 decodes 1 prompt at 17.6 tok/s (fp32: 15.8) and 16 prompts
+# at 140 (fp32: 65). Without native bf16 units (AMX or AVX512-BF16) bf16 matmuls are emulated.
 NATIVE_BF16 = ("amx_bf16", "avx512_bf16")
-CPU_DTYPE = torch.bfloat16 if any(torch.cpu.get_capabilities().get(f) for f in NATIVE_BF16) else torch.float32
+NATIVE_BF16_CPU = any(torch.cpu.get_capabilities().get(f) for f in NATIVE_BF16)
+CPU_DTYPE = torch.bfloat16 if NATIVE_BF16_CPU else torch.float32
 
 
 def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """--dtype auto: CPU_DTYPE on CPU; on GPU the checkpoint's 16-bit dtype, else bf16 (fp32 weights read
-    twice the bytes per token, and fp32 attention runs on FMA units)."""
+    """--dtype auto: CPU_DTYPE on CPU; on GPU the checkpoint's 16-bit dtype, else bf16 (fp32
+    weights read twice the bytes per token, and fp32 attention runs on FMA units)."""
     if device.type != "cuda":
         return CPU_DTYPE
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16

@@ -655,8 +655,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", choices=["tokenflow", "fcfs"], help="scheduling policy (default: the engine's; "
                    "fcfs is the vLLM/SGLang baseline)")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto: the checkpoint's 16-bit "
-                   "dtype on GPU (else bfloat16), nanoflow.model.CPU_DTYPE on CPU (default: %(default)s)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU "
+                   "(else bfloat16), nanoflow.model.CPU_DTYPE on CPU (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks in device memory (default: what free memory holds)")
     p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "

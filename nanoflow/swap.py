@@ -32,8 +32,8 @@ BANDWIDTH_EMA = 0.2  # weight of the newest measurement in the running estimate
 class Transfer:
     """One chunk in flight: its size, the events around its DMA and the host-side work that follows.
 
-    `finish` holds tensors, never the Swapper: a Transfer outlives its copy in `last_use`, and a cycle
-    back to the Swapper would keep both KV pools alive after their engine is gone.
+    `finish` holds tensors, never the Swapper: a Transfer outlives its copy in `last_use`, and a
+    cycle back to the Swapper would keep both KV pools alive after their engine is gone.
     """
 
     nbytes: int
@@ -194,7 +194,8 @@ class Swapper:
             finish()
             self._measured(transfer.nbytes, time.perf_counter() - start)
             return
-        transfer.start, transfer.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        transfer.start = torch.cuda.Event(enable_timing=True)
+        transfer.done = torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the compute stream wrote the blocks
         with torch.cuda.stream(self.stream):
             transfer.start.record()

@@ -38,7 +38,8 @@ from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402
 
-nanoflow.model.CPU_DTYPE = torch.float32  # the tests hold the engine to fp32 references, whatever --dtype auto picks here
+# the tests hold the engine to fp32 references, whatever --dtype auto picks on this CPU
+nanoflow.model.CPU_DTYPE = torch.float32
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
@@ -152,12 +153,13 @@ def test_continuous_batching_matches_one_by_one(tiny):
 
 
 def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
-    """Decode-only steps through the static buffers that CUDA graphs replay (run eagerly here): batches of 7 down
-    to 1 padded to 8, 4, 2, as requests finish and new ones join with fresh block tables, give exactly the
-    tokens of the eager engine."""
+    """Decode-only steps through the static buffers that CUDA graphs replay (run eagerly here):
+    batches of 7 down to 1 padded to 7, 4, 2, as requests finish and new ones join with fresh block
+    tables, give exactly the tokens of the eager engine."""
     path, _ = tiny
     prompts = random_prompts(12, TINY["vocab_size"], seed=5, lengths=(1, 60))
-    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(12)]
     eager = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
     padded = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
     graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
@@ -475,7 +477,7 @@ def test_store_kv(block_size, kv_heads, head_dim, dtype, monkeypatch):
     for store in (attention.store_kv_ref, attention.store_kv):
         written = pool.clone()
         store(kv[:, 0], kv[:, 1], *kv_views(written), slots)
-        assert torch.equal(written, expected)  # new slots written, every other element of the pool untouched
+        assert torch.equal(written, expected)  # new slots written, all else untouched
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype", [
@@ -515,8 +517,8 @@ def test_extend(block_size, group, head_dim, dtype, nan_empty):
 
 
 def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
-    """Chunks longer than the query tile on prefixes longer than both tiles: each query tile's key range ends
-    at its own last position, far past the chunk's length."""
+    """Chunks longer than the query tile on prefixes longer than both tiles: each query tile's key
+    range ends at its own last position, far past the chunk's length."""
     block_m = attention.EXTEND_TILES_FP32[0]
     chunks = [(100, 200), (2 * block_m, 129), (block_m + 1, 3)]
     q, pool, meta = make_batch([n for n, _ in chunks], [n + p for n, p in chunks], 0, 16, 2, 2, 64, torch.float32)
@@ -558,14 +560,15 @@ def test_backend_choice(monkeypatch):
 def test_auto_dtype():
     from nanoflow.model import auto_dtype
     cuda = torch.device("cuda")
-    assert auto_dtype(torch.device("cpu"), "bfloat16") == torch.float32  # CPU_DTYPE, as the tests set it
-    assert [auto_dtype(cuda, d) for d in ("float16", "bfloat16", "float32", None)] == [torch.float16] + [
-        torch.bfloat16] * 3
+    assert auto_dtype(torch.device("cpu"), "bfloat16") == torch.float32  # the tests' CPU_DTYPE
+    picks = [auto_dtype(cuda, d) for d in ("float16", "bfloat16", "float32", None)]
+    assert picks == [torch.float16] + [torch.bfloat16] * 3
 
 
 def test_kernels_launch_on_their_tensors_device(monkeypatch):
     entered = []
-    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device",
+                        lambda d: entered.append(d) or contextlib.nullcontext())
     for device in (torch.device("cuda", 1), torch.device("cpu")):
         with attention.launch_device(device):
             pass
@@ -604,18 +607,31 @@ def test_cuda_llama_decode_splits(batch, context):
     assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 2e-2
 
 
-# ---------------------------------------------------------------- kernels compiled for real GPUs, on the CPU
+# ---------------------------------------------------------------- kernels compiled for GPUs
 
-SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227}  # shared memory one block may use, per compute capability
+SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227}  # shared memory a block may use, per capability
 GPU_MODELS = {"llama3-8b": (128, 32, 8), "qwen2.5-32b": (128, 40, 8), "qwen2.5-0.5b": (64, 14, 2),
               "smollm2-135m": (64, 9, 3)}  # head_dim, heads, kv heads
-KERNEL_DTYPES = ("bf16", "fp16", "fp32")
+KERNELS = ("store_kv", "decode", "merge", "extend")
+POINTERS = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def kernel_and_config(kernel: str, model: str, dtype: str):
+    """A kernel and the constexprs (and warps) that its launcher picks at a model's shapes."""
+    head_dim, heads, kv_heads = GPU_MODELS[model]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    a, group = attention, heads // kv_heads
+    return {"store_kv": (a._store_kv_kernel, a.store_kv_config(16, kv_heads, head_dim)),
+            "decode": (a._decode_split_kernel, a.decode_config(group, head_dim, 16, torch_dtype)),
+            "merge": (a._decode_merge_kernel, a.merge_config(head_dim, a.DECODE_MAX_SPLITS)),
+            "extend": (a._extend_kernel, a.extend_config(group, head_dim, 16, torch_dtype))}[kernel]
 
 
 def compile_kernels(cases: list[list]) -> list[dict]:
-    """Compile each [kernel, model, dtype, capability] to a cubin with the launchers' own constexprs, and read
-    its shared memory (Triton's metadata) and register spills (ptxas -v). Needs TRITON_INTERPRET=0: run it
-    in a fresh process (compile_in_subprocess)."""
+    """Compile each [kernel, model, dtype, capability] to a cubin and read its shared memory
+    (Triton's metadata) and register spills (ptxas -v). Needs TRITON_INTERPRET=0 (see
+    compile_in_subprocess)."""
     import re
     import tempfile
 
@@ -623,45 +639,40 @@ def compile_kernels(cases: list[list]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     from triton.compiler import ASTSource
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    pointers = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     results = []
     for kernel, model, dtype, cc in cases:
-        head_dim, heads, kv_heads = GPU_MODELS[model]
-        fn, config = {
-            "store_kv": (attention._store_kv_kernel, attention.store_kv_config(16, kv_heads, head_dim)),
-            "decode": (attention._decode_split_kernel, attention.decode_config(heads // kv_heads, head_dim, 16, dtypes[dtype])),
-            "merge": (attention._decode_merge_kernel, attention.merge_config(head_dim, attention.DECODE_MAX_SPLITS)),
-            "extend": (attention._extend_kernel,
-                       attention.extend_config(heads // kv_heads, head_dim, 16, dtypes[dtype]))}[kernel]
+        fn, config = kernel_and_config(kernel, model, dtype)
         options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
-            signature[name] = "constexpr" if name in config else pointers.get(name) or (
+            signature[name] = "constexpr" if name in config else POINTERS.get(name) or (
                 f"*{dtype}" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
-            if signature[name].startswith("*") or name.startswith("stride"):  # as a launch specializes them
+            # pointers and strides are multiples of 16, as a launch specializes them
+            if signature[name].startswith("*") or name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(fn, signature, config, attrs), target=GPUTarget("cuda", cc, 32),
-                                  options=options)
+        compiled = triton.compile(ASTSource(fn, signature, config, attrs), options=options,
+                                  target=GPUTarget("cuda", cc, 32))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])
             ptx.flush()
-            log = subprocess.run([get_ptxas(cc).path, "-v", f"--gpu-name={sm_arch_from_capability(cc)}", ptx.name,
-                                  "-o", os.devnull], capture_output=True, text=True, check=True).stderr
+            ptxas = [get_ptxas(cc).path, "-v", f"--gpu-name={sm_arch_from_capability(cc)}"]
+            log = subprocess.run([*ptxas, ptx.name, "-o", os.devnull], capture_output=True,
+                                 text=True, check=True).stderr
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-        results.append(dict(case=f"{kernel} {model} {dtype} sm_{cc}", shared=compiled.metadata.shared,
-                            spills=spills, fits=compiled.metadata.shared <= SMEM_KIB[cc] << 10 and spills == 0))
+        shared = compiled.metadata.shared
+        results.append(dict(case=f"{kernel} {model} {dtype} sm_{cc}", shared=shared, spills=spills,
+                            fits=shared <= SMEM_KIB[cc] << 10 and spills == 0))
     return results
 
 
 def compile_in_subprocess(cases: list[list]) -> list[dict]:
-    """compile_kernels in a process that imported triton with TRITON_INTERPRET=0 (the interpreter's jit
-    functions cannot be compiled)."""
+    """compile_kernels in a process that imported triton with TRITON_INTERPRET=0 (the interpreter's
+    jit functions cannot be compiled)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    code = "import json, sys, test_all; print(json.dumps(test_all.compile_kernels(json.loads(sys.argv[1]))))"
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, sys, test_all\n"
+            "print(json.dumps(test_all.compile_kernels(json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True,
+                         text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -674,12 +685,9 @@ def assert_kernels_fit(cases: list[list]) -> None:
     assert not misfits, "\n".join(misfits)
 
 
-KERNELS = ("store_kv", "decode", "merge", "extend")
-
-
 def test_kernels_compile_within_each_gpu():
-    """A representative subset (the rest: -m compile_all): Llama-3-8B's shapes on sm_86, the tightest shared
-    memory (99 KiB), in bf16 and fp32 (fp32 extend tiles once needed 112 KiB there); the demo's on sm_90."""
+    """A subset (the rest: -m compile_all): Llama-3-8B's shapes on sm_86, the tightest shared memory
+    (99 KiB), in bf16 and fp32 (fp32 extend once needed 112 KiB there); the demo's on sm_90."""
     assert_kernels_fit([[k, "llama3-8b", dtype, 86] for k in KERNELS for dtype in ("bf16", "fp32")]
                        + [[k, "smollm2-135m", "bf16", 90] for k in KERNELS])
 
@@ -687,7 +695,8 @@ def test_kernels_compile_within_each_gpu():
 @pytest.mark.compile_all
 @pytest.mark.parametrize("cc", sorted(SMEM_KIB))
 def test_every_kernel_compiles_within_the_gpu(cc):
-    assert_kernels_fit([[k, m, d, cc] for k in KERNELS for m in GPU_MODELS for d in KERNEL_DTYPES])
+    dtypes = ("bf16", "fp16", "fp32")
+    assert_kernels_fit([[k, m, d, cc] for k in KERNELS for m in GPU_MODELS for d in dtypes])
 
 
 def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
@@ -866,12 +875,13 @@ def test_swap_round_trip_across_staging_chunks(monkeypatch):
 
 
 def test_swapper_pools_die_with_it_without_the_garbage_collector():
-    """bench.py builds one engine after another: a reference cycle through the swapper would keep the first
-    engine's KV pools alive, and the next engine would size its pool from the memory they still hold."""
+    """bench.py builds one engine after another: a reference cycle through the swapper would keep
+    the first engine's KV pools alive, and the next would size its pool from what they hold."""
     shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
     device, host = KVPool(8, *shape), KVPool(8, *shape, host=True)
     swapper = Swapper(device, host)
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0, num_computed_tokens=20)
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0,
+                                num_computed_tokens=20)
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)
     assert swapper.evict(req) and swapper.last_use != [None, None]
@@ -886,12 +896,14 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
 
 def test_pinned_host_pool_pins_exactly_its_bytes_until_it_dies(monkeypatch):
     calls = []
-    cudart = types.SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("pin", ptr, n)) or 0,
-                                   cudaHostUnregister=lambda ptr: calls.append(("unpin", ptr)) or 0)
+    cudart = types.SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("pin", ptr, n)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unpin", ptr)) or 0)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     host = KVPool(5, 2, 4, 3, 8, torch.float16, torch.device("cuda"), host=True)
     ptr = host.kv_cache.data_ptr()
-    assert calls == [("pin", ptr, 5 * 2 * 2 * 4 * 3 * 8 * 2)]  # blocks x layers x (K, V) x tokens x heads x dim x 2 B
+    # blocks x layers x (K, V) x tokens x heads x head_dim x 2 bytes
+    assert calls == [("pin", ptr, 5 * 2 * 2 * 4 * 3 * 8 * 2)]
     del host
     assert calls[1:] == [("unpin", ptr)]
 
@@ -1755,11 +1767,13 @@ def test_gpu_check_on_a_cpu_skips_what_needs_a_gpu_and_survives_a_failure(ckpt, 
         pytest.skip("a GPU is here: --gpu-check would measure it")
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     bench.main(["--gpu-check", "--ckpt", str(ckpt), *BENCH_WORKLOAD, "--json", str(good)])
-    bench.main(["--gpu-check", "--ckpt", str(tmp_path / "missing"), "--burst", "4", "--json", str(bad)])
+    bench.main(["--gpu-check", "--ckpt", str(tmp_path / "missing"), "--burst", "4",
+                "--json", str(bad)])
     out = capsys.readouterr().out
     steps = json.loads(good.read_text())["steps"]
     assert list(steps) == ["cuda tests", "kernels", "transfers", "decode", "burst"]
-    assert all(r["status"] == "skipped" and "needs a CUDA GPU" in r["summary"] for r in list(steps.values())[:4])
+    assert all(r["status"] == "skipped" and "needs a CUDA GPU" in r["summary"]
+               for r in list(steps.values())[:4])
     burst = steps["burst"]
     assert burst["status"] == "ran" and list(burst["policies"]) == ["fcfs", "tokenflow"]
     assert all(m["completed"] == 4 for m in burst["policies"].values())

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .attention import AttnMetadata
-from .kv import KVPool, build_metadata, cdiv
+from .kv import KVPool, build_metadata, cdiv, to_device
 from .model import IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint, load_model, sample
 from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
@@ -134,14 +134,14 @@ class Engine:
         meta, positions = build_metadata([r.block_table for r in reqs], computed, query_lens,
                                          sum(n == 1 for n in query_lens), self.kv.block_size, self.device)
         input_ids = [t for r, c, n in zip(reqs, computed, query_lens) for t in r.token_ids[c:c + n]]
-        ids = torch.tensor(input_ids, device=self.device)
+        ids = to_device(input_ids, torch.long, self.device)
         if self.graphs and meta.num_decodes == len(samplers) == len(reqs):  # decode-only
             logits = self.graphs.run(ids, positions, meta)
         else:
             ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
             logits_indices = [ends[req] - 1 for req, _ in samplers]
             logits = self.model(ids, positions, self.kv_caches, meta,
-                                torch.tensor(logits_indices, dtype=torch.long, device=self.device))
+                                to_device(logits_indices, torch.long, self.device))
         return sample(logits, [r.params for r, _ in samplers], [r.generator for r, _ in samplers])
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":

@@ -95,6 +95,14 @@ class KVPool:
             self.free_blocks.extend(item[1])
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list on the device without blocking the host: torch.tensor(..., device=)
+    waits for the stream (for a load the step waits for, say), and so does a non_blocking copy
+    from pageable memory."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
                    num_decodes: int, block_size: int, device: torch.device) -> tuple[AttnMetadata, Tensor]:
     """Attention metadata and positions for one flat batch.
@@ -113,17 +121,13 @@ def build_metadata(block_tables: list[list[int]], num_computed: list[int], query
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-
-    def tensor(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
     meta = AttnMetadata(
-        slot_mapping=tensor(slots, torch.int64),
-        block_tables=tensor(padded, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        query_start_loc=tensor(starts, torch.int32),
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(padded, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        query_start_loc=to_device(starts, torch.int32, device),
         num_decodes=num_decodes,
         query_lens=list(query_lens),
         seq_lens_list=seq_lens,
     )
-    return meta, tensor(positions, torch.int64)
+    return meta, to_device(positions, torch.int64, device)

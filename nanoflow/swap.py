@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import KVPool, cdiv
+from .kv import KVPool, cdiv, to_device
 
 STAGING_BYTES = 64 << 20  # per staging buffer: big DMAs run at full link speed; a chunk is what fits
 BANDWIDTH_GUESS = {"cuda": 20e9, "cpu": 5e9}  # bytes/s until the first copy is measured
@@ -173,9 +173,7 @@ class Swapper:
         return self.pending_event()
 
     def _indices(self, ids: list[int]) -> torch.Tensor:
-        """Block ids on the device, without blocking the host (a plain torch.tensor(..., device=) syncs)."""
-        t = torch.tensor(ids)
-        return t.pin_memory().to(self.device.kv_cache.device, non_blocking=True) if self.on_cuda else t
+        return to_device(ids, torch.int64, self.device.kv_cache.device)
 
     def _claim_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next staging pair, once the transfer that used it last has finished."""

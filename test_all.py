@@ -789,13 +789,17 @@ class Forced(FCFS):
             s.swapper.write_through(s.running, max_blocks=4)
 
 
-@pytest.mark.parametrize("resume", ["load", "recompute"])
-def test_forced_preemption_gives_identical_tokens(tiny, resume):
+@pytest.mark.parametrize("resume,graphs", [("load", False), ("recompute", False), ("load", True)])
+def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
+    """graphs: decode-only steps through the padded static buffers, whose block tables are rewritten
+    as requests leave and come back in other blocks."""
     path, _ = tiny
     prompts = random_prompts(6, TINY["vocab_size"], seed=10, lengths=(10, 70))
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
     llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
               policy=Forced(3, resume))
+    if graphs:
+        llm.engine.graphs = llm.engine.decode_graphs(capture=False)
     tokens, points = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
     stats = llm.stats()

@@ -12,6 +12,7 @@ import argparse
 import csv
 import dataclasses
 import functools
+import gc
 import http.client
 import importlib.util
 import json
@@ -20,6 +21,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -32,7 +34,7 @@ from urllib.parse import urlsplit
 import torch
 
 from nanoflow import LLM, SamplingParams
-from nanoflow.engine import READ_RATE_MAX, clamp_read_rate
+from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
@@ -331,7 +333,8 @@ def engine_factory(args: argparse.Namespace, w: Workload):
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config,
                                  charge_scheduler=not args.uncharged)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
-    options = dict(device=args.device, num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
+    options = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                   num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
                    max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
@@ -356,8 +359,17 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity)
         runs.append(drive(engine, w, policy))
-        del engine  # its model and KV memory go before the next engine's arrive
+        del engine
+        free_device_memory()
     return runs, w, info
+
+
+def free_device_memory() -> None:
+    """The last engine's model and KV memory go before the next engine sizes its pool from what is
+    free (PyTorch's cache counts as used to torch.cuda.mem_get_info)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- output
@@ -527,7 +539,10 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
 # ---------------------------------------------------------------- GPU: kernels and transfers
 
 
+GPU_CHECK_BURST = 32  # requests in --gpu-check's burst: both policies in about a minute on a GPU
+GPU_CHECK_JSON = "gpu-check.json"
 KERNEL_BATCHES, KERNEL_CONTEXTS = (1, 32, 128), (512, 2048, 8192)
+GPU_CHECK_BATCHES = (1, 32, 128)
 WARMUP, ITERS = 3, 10
 L2_FLUSH_BYTES = 256 << 20  # written before each timed call, so small inputs are not served from L2
 COPY_BYTES = 1 << 30
@@ -563,13 +578,18 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_kernels() -> None:
+def copy_bandwidth() -> float:
+    """Bytes/s (read + write) of one big device-to-device copy: what other rates are held to."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / cuda_time(lambda: dst.copy_(src))
+
+
+def bench_kernels() -> dict:
     """Decode attention at Llama-3-8B shapes, in bytes/s next to a plain device-to-device copy."""
     from nanoflow.attention import decode_attention_triton
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    peak = 2 * COPY_BYTES / cuda_time(lambda: dst.copy_(src))
+    peak, rows = copy_bandwidth(), []
     print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} {'time us':>9} {'GB/s':>7} {'of copy':>7}")
     for batch in KERNEL_BATCHES:
@@ -583,6 +603,11 @@ def bench_kernels() -> None:
                                                           head_dim ** -0.5))
             nbytes = pool.numel() * pool.element_size() + 2 * q.numel() * q.element_size()  # K + V, q, out
             print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {nbytes / s / peak:>7.0%}")
+            rows.append(dict(batch=batch, context=context, seconds=s,
+                             share_of_copy=nbytes / s / peak))
+    worst = min(r["share_of_copy"] for r in rows if r["batch"] >= 32 and r["context"] >= 2048)
+    return dict(copy_bytes_per_s=peak, rows=rows, summary=f"decode kernel >= {worst:.0%} of copy "
+                "bandwidth at batch >= 32, context >= 2k (target 70%)")
 
 
 def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
@@ -614,7 +639,7 @@ def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
     return tuple(blocks * sw.block_bytes / statistics.median(t) for t in zip(*rounds))
 
 
-def bench_transfers() -> None:
+def bench_transfers() -> dict:
     """The Swapper's chunked copies against one raw pinned copy_ of the same bytes; decode beside write-through."""
     from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
     sw = llama_swapper(TRANSFER_BYTES // (BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16.itemsize)))
@@ -628,7 +653,11 @@ def bench_transfers() -> None:
     print(f"{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
     for name, ours, theirs in (("device->host", to_host, raw[0]), ("host->device", to_device, raw[1])):
         print(f"{name:>13} {ours / 1e9:>13.1f} {theirs / 1e9:>9.1f} {ours / theirs:>6.0%}")
-    bench_decode_beside_write_through()
+    shares = (to_host / raw[0], to_device / raw[1])
+    slowdown = bench_decode_beside_write_through()
+    return dict(to_host_share=shares[0], to_device_share=shares[1], write_through_slowdown=slowdown,
+                summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through "
+                f"slows decode by {slowdown:.1%} (target <= 5%)")
 
 
 def random_model(device: str) -> Transformer:
@@ -643,19 +672,56 @@ def random_model(device: str) -> Transformer:
     return model.eval()
 
 
-def bench_decode_beside_write_through(device: str = "cuda") -> None:
+def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
+                   graphs: bool = False):
+    """One decode step's forward for `batch` sequences of `context` tokens, each owning consecutive
+    blocks of pool (eager, or a CUDA graph captured as the engine does); and their block tables."""
+    device, per_seq = pool.kv_cache.device, context // BLOCK_SIZE
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    meta, positions = build_metadata(tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE,
+                                     device)
+    ids = torch.randint(model.config.vocab_size, (batch,), device=device)
+    rows, caches = torch.arange(batch, device=device), pool.layer_caches()
+    if graphs:
+        runner = DecodeGraphs(model, caches, [batch], model.config.max_position_embeddings,
+                              BLOCK_SIZE, capture=True)
+        return (lambda: runner.run(ids, positions, meta)), tables
+    return (lambda: model(ids, positions, caches, meta, rows)), tables
+
+
+def bench_decode_speed(device: str = "cuda") -> dict:
+    """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor:
+    the weights and the batch's KV read once per step at the measured copy rate."""
+    from nanoflow.sim import LLAMA3_8B
+    model, peak, rows = random_model(device), copy_bandwidth(), []
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    for batch in GPU_CHECK_BATCHES:
+        c = LLAMA3_8B
+        pool = KVPool(batch * DECODE_CONTEXT // BLOCK_SIZE, c.num_hidden_layers, BLOCK_SIZE,
+                      c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
+        floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak
+        for mode in ("eager", "graphs"):
+            s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
+            rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
+                             share_of_floor=floor / s))
+            print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of "
+                  "the bandwidth floor")
+        del pool
+        free_device_memory()
+    shares = [f"batch {r['batch']} {r['mode']} {r['share_of_floor']:.0%}" for r in rows]
+    return dict(rows=rows, summary=f"share of the bandwidth floor: {', '.join(shares)} (target: "
+                "batch 1 with graphs >= 90%)")
+
+
+def bench_decode_beside_write_through(device: str = "cuda") -> float:
     """One decode step at batch 64, alone and right after the engine's per-step write-through is queued."""
-    model, per_seq = random_model(device), DECODE_CONTEXT // BLOCK_SIZE
-    sw = llama_swapper(DECODE_BATCH * per_seq, device)
-    reqs = [SimpleNamespace(block_table=list(range(i * per_seq, (i + 1) * per_seq)), host_block_table=[],
-                            num_computed_tokens=DECODE_CONTEXT - 1, num_host_tokens=0) for i in range(DECODE_BATCH)]
-    meta, positions = build_metadata([r.block_table for r in reqs], [DECODE_CONTEXT - 1] * DECODE_BATCH,
-                                     [1] * DECODE_BATCH, DECODE_BATCH, BLOCK_SIZE, torch.device(device))
-    ids = torch.randint(model.config.vocab_size, (DECODE_BATCH,), device=device)
-    rows, caches = torch.arange(DECODE_BATCH, device=device), sw.device.layer_caches()
+    sw = llama_swapper(DECODE_BATCH * DECODE_CONTEXT // BLOCK_SIZE, device)
+    forward, tables = decode_forward(random_model(device), sw.device, DECODE_BATCH, DECODE_CONTEXT)
+    reqs = [SimpleNamespace(block_table=t, host_block_table=[], num_host_tokens=0,
+                            num_computed_tokens=DECODE_CONTEXT - 1) for t in tables]
 
     def step():
-        model(ids, positions, caches, meta, rows)
+        forward()
         torch.cuda.current_stream().synchronize()  # the compute stream only: copies may still be running
 
     def write_through_then_step() -> float:
@@ -670,20 +736,81 @@ def bench_decode_beside_write_through(device: str = "cuda") -> None:
     print(f"decode step, Llama-3-8B shape, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: {alone * 1e3:.1f} ms "
           f"alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} blocks "
           f"({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it")
+    return beside / alone - 1
+
+
+# ---------------------------------------------------------------- --gpu-check: all of it, in one go
+
+
+def run_cuda_tests() -> dict:
+    """The test suite's `cuda`-marked tests, compiled kernels on the real device."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parent)
+    last = (out.stdout.strip().splitlines() or ["no output"])[-1]
+    if out.returncode != 0:
+        raise RuntimeError(f"{last}\n{out.stdout[-3000:]}")
+    return dict(summary=last)
+
+
+def burst_check(args: argparse.Namespace) -> dict:
+    """Both policies on a short burst (the checkpoint of --ckpt, else the demo model)."""
+    args.burst = args.burst or GPU_CHECK_BURST
+    runs, w, info = run_workload(args)
+    print(table(runs))
+    f, t = (r.summary for r in runs)
+    return dict(policies={r.name: r.summary for r in runs}, engine=info["engine"],
+                summary=f"TTFT p99 {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} s, effective "
+                f"throughput {t['effective_throughput'] / f['effective_throughput']:.2f}x (fcfs -> "
+                f"tokenflow, {len(w)} requests)")
+
+
+def gpu_check(args: argparse.Namespace) -> dict:
+    """Each step in order; a step that needs a GPU is skipped without one, and a failure is
+    recorded, never raised, so that one run reports on everything."""
+    steps = [("cuda tests", True, run_cuda_tests), ("kernels", True, bench_kernels),
+             ("transfers", True, bench_transfers), ("decode", True, bench_decode_speed),
+             ("burst", False, lambda: burst_check(args))]
+    results = {}
+    for name, needs_gpu, fn in steps:
+        print(f"== {name}", flush=True)
+        if needs_gpu and not torch.cuda.is_available():
+            results[name] = dict(status="skipped", summary="needs a CUDA GPU; none here")
+            continue
+        try:
+            results[name] = dict(status="ran", **fn())
+        except Exception as e:  # noqa: BLE001 (one step's failure must not hide the others')
+            first_line = f"{type(e).__name__}: {e}".splitlines()[0]
+            results[name] = dict(status="failed", summary=first_line, error=str(e))
+        free_device_memory()
+    cpus = f"no GPU, {os.cpu_count()} CPUs"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpus
+    report = dict(device=device, torch=torch.__version__, steps=results)
+    path = args.json or GPU_CHECK_JSON
+    Path(path).write_text(json.dumps(report, indent=2, default=str))
+    print(f"\ngpu-check on {device} (torch {torch.__version__}); JSON in {path}")
+    print("| step | status | result |\n|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['status']} | {r['summary']} |")
+    return report
 
 
 # ---------------------------------------------------------------- offline generation against transformers
 
 
-def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int) -> None:
+def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int,
+                    dtype: str = "auto") -> None:
     from transformers import AutoModelForCausalLM
 
     from nanoflow.model import demo_checkpoint
 
     path = Path(ckpt) if ckpt else demo_checkpoint()
+    llm = LLM(path, dtype=dtype)
+    dtype = llm.engine.model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
+    print(f"dtype: {dtype}")
     hf_kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    hf = AutoModelForCausalLM.from_pretrained(path.parent if hf_kwargs else path, dtype=torch.float32, **hf_kwargs).eval()
-    llm = LLM(path, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(path.parent if hf_kwargs else path, dtype=dtype,
+                                              **hf_kwargs).eval()
     rng = random.Random(0)
     vocab = llm.engine.model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -733,6 +860,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--http", metavar="URL", help="send the workload to a running server (python -m nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     add("--device", help="cuda or cpu (default: cuda when available)")
+    add("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's on "
+        "GPU; nanoflow.model.CPU_DTYPE on CPU) (default: %(default)s)")
     add("--num-kv-blocks", type=int, help=f"device KV blocks of {BLOCK_SIZE} tokens")
     add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
         f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
@@ -744,6 +874,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs (needs matplotlib)")
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps, and decode beside write-through (GPU only)")
+    add("--gpu-check", action="store_true", help="what to run first on a GPU, in order: the cuda "
+        "tests, --kernels, --transfers, decode speed against the bandwidth floor, a short burst; "
+        f"one JSON (--json, default {GPU_CHECK_JSON}) and one table; without a GPU the steps that "
+        "need one say so")
     add("--vs-transformers", action="store_true", help="compare LLM.generate with transformers' generate")
     add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate every regime of the matrix (bursts, Poisson up to "
         "overload, tight memory, long prompts, readers, traces) under both policies; one table with a verdict per row (FILTER: only rows whose name contains it)")
@@ -751,8 +885,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens generated per prompt")
     args = ap.parse_args(argv)
-    if not (args.burst or args.poisson or args.trace or args.kernels or args.transfers or args.vs_transformers
-            or args.calibrate or args.matrix is not None or args.sched_cost):
+    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.calibrate,
+             args.matrix is not None, args.sched_cost)
+    if not (args.burst or args.poisson or args.trace or any(modes)):
         ap.error("choose a workload (--burst, --poisson or --trace) or --kernels, --transfers, --vs-transformers, "
                  "--calibrate")
     try:
@@ -806,16 +941,19 @@ def serving_bench(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.gpu_check:
+        gpu_check(args)
+        return
     if args.kernels and require_cuda("--kernels"):
         bench_kernels()
     if args.transfers and require_cuda("--transfers"):
         bench_transfers()
     if args.vs_transformers:
         vs_transformers(args.ckpt, [int(b) for b in args.batch_sizes.split(",")],
-                        round(parse_dist(args.prompt_len or "128")[0]), args.new_tokens)
+                        round(parse_dist(args.prompt_len or "128")[0]), args.new_tokens, args.dtype)
     if args.calibrate:
         from nanoflow.sim import calibrate
-        print(calibrate(LLM(args.ckpt, device=args.device)).describe())
+        print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
     if args.burst or args.poisson or args.trace:
         serving_bench(args)
     if args.sched_cost:

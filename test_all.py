@@ -4,6 +4,8 @@ Oracles: HuggingFace transformers for the model and tokenizer, the torch referen
 kernels, an uninterrupted run for anything that batches, chunks or preempts.
 """
 
+import contextlib
+import gc
 import http.client
 import json
 import logging
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -26,6 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
+import nanoflow.model  # noqa: E402
 from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
 from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
@@ -35,6 +39,9 @@ from nanoflow.model import (IncrementalDetokenizer, demo_checkpoint, generation_
 from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402
+
+# the tests hold the engine to fp32 references, whatever --dtype auto picks on this CPU
+nanoflow.model.CPU_DTYPE = torch.float32
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
@@ -145,6 +152,27 @@ def test_continuous_batching_matches_one_by_one(tiny):
     params = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(16)]
     outs = batched.generate(prompts, params)
     assert [o.token_ids for o in outs] == [e[:8 + i] for i, e in enumerate(expected)]
+
+
+def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
+    """Decode-only steps through the static buffers that CUDA graphs replay (run eagerly here):
+    batches of 7 down to 1 padded to 7, 4, 2, as requests finish and new ones join with fresh block
+    tables, give exactly the tokens of the eager engine."""
+    path, _ = tiny
+    prompts = random_prompts(12, TINY["vocab_size"], seed=5, lengths=(1, 60))
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(12)]
+    eager = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
+    padded = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
+    graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
+    assert graphs.sizes == [1, 2, 4, 7]
+    batches = []
+    run = graphs.run
+    graphs.run = lambda ids, *args: batches.append(len(ids)) or run(ids, *args)
+    outs = padded.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert {3, 5, 6} <= set(batches)  # padded sizes were exercised
+    assert padded.stats()["device_blocks_free"] == 128
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
@@ -513,10 +541,15 @@ def test_store_kv(block_size, kv_heads, head_dim, dtype, monkeypatch):
     _, pool, meta = make_batch(query_lens, [9, block_size + 1, 2 * block_size + 2], 0, block_size, kv_heads, 1,
                                head_dim, dtype)
     kv = torch.randn(sum(query_lens), 2, kv_heads, head_dim, dtype=dtype, device=DEVICE)  # k, v: strided views
+    slots = meta.slot_mapping.clone()
+    slots[::4] = -1  # padding rows of a CUDA graph's batch: nothing to store
+    real = slots >= 0
     expected = pool.clone()
-    attention.store_kv_ref(kv[:, 0], kv[:, 1], *kv_views(expected), meta.slot_mapping)
-    attention.store_kv(kv[:, 0], kv[:, 1], *kv_views(pool), meta.slot_mapping)
-    assert torch.equal(pool, expected)  # new slots written, every other element of the pool untouched
+    attention.store_kv_ref(kv[real, 0], kv[real, 1], *kv_views(expected), slots[real])
+    for store in (attention.store_kv_ref, attention.store_kv):
+        written = pool.clone()
+        store(kv[:, 0], kv[:, 1], *kv_views(written), slots)
+        assert torch.equal(written, expected)  # new slots written, all else untouched
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype", [
@@ -556,9 +589,10 @@ def test_extend(block_size, group, head_dim, dtype, nan_empty):
 
 
 def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
-    """Chunks longer than EXTEND_BLOCK_M on prefixes longer than both tiles: each query tile's key range ends
-    at its own last position, far past the chunk's length."""
-    chunks = [(100, 200), (2 * attention.EXTEND_BLOCK_M, 129), (attention.EXTEND_BLOCK_M + 1, 3)]
+    """Chunks longer than the query tile on prefixes longer than both tiles: each query tile's key
+    range ends at its own last position, far past the chunk's length."""
+    block_m = attention.EXTEND_TILES_FP32[0]
+    chunks = [(100, 200), (2 * block_m, 129), (block_m + 1, 3)]
     q, pool, meta = make_batch([n for n, _ in chunks], [n + p for n, p in chunks], 0, 16, 2, 2, 64, torch.float32)
     out = attention.paged_attention_triton(q, *kv_views(pool), meta, 0.125)
     assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, 0.125)) <= TOL[torch.float32]
@@ -595,6 +629,24 @@ def test_backend_choice(monkeypatch):
         attention.attention_backend(torch.device("cpu"))
 
 
+def test_auto_dtype():
+    from nanoflow.model import auto_dtype
+    cuda = torch.device("cuda")
+    assert auto_dtype(torch.device("cpu"), "bfloat16") == torch.float32  # the tests' CPU_DTYPE
+    picks = [auto_dtype(cuda, d) for d in ("float16", "bfloat16", "float32", None)]
+    assert picks == [torch.float16] + [torch.bfloat16] * 3
+
+
+def test_kernels_launch_on_their_tensors_device(monkeypatch):
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device",
+                        lambda d: entered.append(d) or contextlib.nullcontext())
+    for device in (torch.device("cuda", 1), torch.device("cpu")):
+        with attention.launch_device(device):
+            pass
+    assert entered == [torch.device("cuda", 1)]
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_llama_mixed_step(monkeypatch):
@@ -625,6 +677,98 @@ def test_cuda_llama_decode_splits(batch, context):
     q, pool, meta = make_batch([1] * batch, seq_lens, batch, 16, 8, 4, 128, torch.bfloat16)
     args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 128 ** -0.5)
     assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 2e-2
+
+
+# ---------------------------------------------------------------- kernels compiled for GPUs
+
+SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227}  # shared memory a block may use, per capability
+GPU_MODELS = {"llama3-8b": (128, 32, 8), "qwen2.5-32b": (128, 40, 8), "qwen2.5-0.5b": (64, 14, 2),
+              "smollm2-135m": (64, 9, 3)}  # head_dim, heads, kv heads
+KERNELS = ("store_kv", "decode", "merge", "extend")
+POINTERS = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def kernel_and_config(kernel: str, model: str, dtype: str):
+    """A kernel and the constexprs (and warps) that its launcher picks at a model's shapes."""
+    head_dim, heads, kv_heads = GPU_MODELS[model]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    a, group = attention, heads // kv_heads
+    return {"store_kv": (a._store_kv_kernel, a.store_kv_config(16, kv_heads, head_dim)),
+            "decode": (a._decode_split_kernel, a.decode_config(group, head_dim, 16, torch_dtype)),
+            "merge": (a._decode_merge_kernel, a.merge_config(head_dim, a.DECODE_MAX_SPLITS)),
+            "extend": (a._extend_kernel, a.extend_config(group, head_dim, 16, torch_dtype))}[kernel]
+
+
+def compile_kernels(cases: list[list]) -> list[dict]:
+    """Compile each [kernel, model, dtype, capability] to a cubin and read its shared memory
+    (Triton's metadata) and register spills (ptxas -v). Needs TRITON_INTERPRET=0 (see
+    compile_in_subprocess)."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.compiler import ASTSource
+    results = []
+    for kernel, model, dtype, cc in cases:
+        fn, config = kernel_and_config(kernel, model, dtype)
+        options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
+        signature, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            signature[name] = "constexpr" if name in config else POINTERS.get(name) or (
+                f"*{dtype}" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
+            # pointers and strides are multiples of 16, as a launch specializes them
+            if signature[name].startswith("*") or name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(fn, signature, config, attrs), options=options,
+                                  target=GPUTarget("cuda", cc, 32))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            ptxas = [get_ptxas(cc).path, "-v", f"--gpu-name={sm_arch_from_capability(cc)}"]
+            log = subprocess.run([*ptxas, ptx.name, "-o", os.devnull], capture_output=True,
+                                 text=True, check=True).stderr
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+        shared = compiled.metadata.shared
+        results.append(dict(case=f"{kernel} {model} {dtype} sm_{cc}", shared=shared, spills=spills,
+                            fits=shared <= SMEM_KIB[cc] << 10 and spills == 0))
+    return results
+
+
+def compile_in_subprocess(cases: list[list]) -> list[dict]:
+    """compile_kernels in a process that imported triton with TRITON_INTERPRET=0 (the interpreter's
+    jit functions cannot be compiled)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    code = ("import json, sys, test_all\n"
+            "print(json.dumps(test_all.compile_kernels(json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True,
+                         text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def assert_kernels_fit(cases: list[list]) -> None:
+    results = compile_in_subprocess(cases)
+    assert len(results) == len(cases)
+    misfits = [f"{r['case']}: {r['shared'] / 1024:.0f} KiB shared, {r['spills']} bytes spilled"
+               for r in results if not r["fits"]]
+    assert not misfits, "\n".join(misfits)
+
+
+def test_kernels_compile_within_each_gpu():
+    """A subset (the rest: -m compile_all): Llama-3-8B's shapes on sm_86, the tightest shared memory
+    (99 KiB), in bf16 and fp32 (fp32 extend once needed 112 KiB there); the demo's on sm_90."""
+    assert_kernels_fit([[k, "llama3-8b", dtype, 86] for k in KERNELS for dtype in ("bf16", "fp32")]
+                       + [[k, "smollm2-135m", "bf16", 90] for k in KERNELS])
+
+
+@pytest.mark.compile_all
+@pytest.mark.parametrize("cc", sorted(SMEM_KIB))
+def test_every_kernel_compiles_within_the_gpu(cc):
+    dtypes = ("bf16", "fp16", "fp32")
+    assert_kernels_fit([[k, m, d, cc] for k in KERNELS for m in GPU_MODELS for d in dtypes])
 
 
 def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
@@ -717,13 +861,17 @@ class Forced(FCFS):
             s.swapper.write_through(s.running, max_blocks=4)
 
 
-@pytest.mark.parametrize("resume", ["load", "recompute"])
-def test_forced_preemption_gives_identical_tokens(tiny, resume):
+@pytest.mark.parametrize("resume,graphs", [("load", False), ("recompute", False), ("load", True)])
+def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
+    """graphs: decode-only steps through the padded static buffers, whose block tables are rewritten
+    as requests leave and come back in other blocks."""
     path, _ = tiny
     prompts = random_prompts(6, TINY["vocab_size"], seed=10, lengths=(10, 70))
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
     llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
               policy=Forced(3, resume))
+    if graphs:
+        llm.engine.graphs = llm.engine.decode_graphs(capture=False)
     tokens, points = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
     stats = llm.stats()
@@ -800,6 +948,40 @@ def test_swap_round_trip_across_staging_chunks(monkeypatch):
     for i, block in enumerate(req.block_table):
         assert torch.equal(device.kv_cache[block], kv[i]), f"block {i} of the request"
     assert device.kv_cache.isnan().sum() == (device.num_blocks - 11) * device.kv_cache[0].numel()
+
+
+def test_swapper_pools_die_with_it_without_the_garbage_collector():
+    """bench.py builds one engine after another: a reference cycle through the swapper would keep
+    the first engine's KV pools alive, and the next would size its pool from what they hold."""
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    device, host = KVPool(8, *shape), KVPool(8, *shape, host=True)
+    swapper = Swapper(device, host)
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0,
+                                num_computed_tokens=20)
+    assert device.grow(req.block_table, 20)
+    swapper.write_through([req], max_blocks=2)
+    assert swapper.evict(req) and swapper.last_use != [None, None]
+    pools = [weakref.ref(device.kv_cache), weakref.ref(host.kv_cache)]
+    gc.disable()
+    try:
+        del swapper, device, host
+        assert [p() for p in pools] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_pinned_host_pool_pins_exactly_its_bytes_until_it_dies(monkeypatch):
+    calls = []
+    cudart = types.SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("pin", ptr, n)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unpin", ptr)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host = KVPool(5, 2, 4, 3, 8, torch.float16, torch.device("cuda"), host=True)
+    ptr = host.kv_cache.data_ptr()
+    # blocks x layers x (K, V) x tokens x heads x head_dim x 2 bytes
+    assert calls == [("pin", ptr, 5 * 2 * 2 * 4 * 3 * 8 * 2)]
+    del host
+    assert calls[1:] == [("unpin", ptr)]
 
 
 def test_kv_pool_hands_out_each_block_once():
@@ -1983,6 +2165,26 @@ def test_bench_gpu_modes_explain_themselves_without_cuda(capsys):
         pytest.skip("a GPU is here: these modes would measure it")
     bench.main(["--kernels", "--transfers"])
     assert capsys.readouterr().out.count("needs a CUDA GPU") == 2
+
+
+def test_gpu_check_on_a_cpu_skips_what_needs_a_gpu_and_survives_a_failure(ckpt, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --gpu-check would measure it")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    bench.main(["--gpu-check", "--ckpt", str(ckpt), *BENCH_WORKLOAD, "--json", str(good)])
+    bench.main(["--gpu-check", "--ckpt", str(tmp_path / "missing"), "--burst", "4",
+                "--json", str(bad)])
+    out = capsys.readouterr().out
+    steps = json.loads(good.read_text())["steps"]
+    assert list(steps) == ["cuda tests", "kernels", "transfers", "decode", "burst"]
+    assert all(r["status"] == "skipped" and "needs a CUDA GPU" in r["summary"]
+               for r in list(steps.values())[:4])
+    burst = steps["burst"]
+    assert burst["status"] == "ran" and list(burst["policies"]) == ["fcfs", "tokenflow"]
+    assert all(m["completed"] == 4 for m in burst["policies"].values())
+    failed = json.loads(bad.read_text())["steps"]["burst"]
+    assert failed["status"] == "failed" and "missing" in failed["summary"]
+    assert out.count("| burst | ran |") == 1 and out.count("| burst | failed |") == 1
 
 
 class SlowCopy:

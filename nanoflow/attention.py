@@ -13,6 +13,7 @@ their strides: a view of the block-major pool is not contiguous, and copying it 
 
 from __future__ import annotations  # kernel annotations (tl.constexpr) stay strings when triton is absent
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -27,9 +28,21 @@ except ImportError:
     triton = tl = None
 
 LOG2E = math.log2(math.e)  # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
-EXTEND_BLOCK_M = 64  # query tokens per extend program
-EXTEND_BLOCK_N = 64  # keys per step of the extend loop
+# Extend tiles: (query tokens per program, keys per loop step, warps). Each was compiled for
+# sm_80 to sm_90 (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no
+# register spills. fp32 dots run on FMA units with whole tiles in registers: small tiles (32 x 32
+# in 8 warps still spills on sm_90). 16-bit tiles at head_dim 128 take half the keys per step, or
+# they spill on sm_80/86.
+EXTEND_TILES_FP32 = (32, 16, 4)
+EXTEND_TILES_16BIT = (64, 64, 4)
+EXTEND_TILES_16BIT_WIDE = (64, 32, 4)  # head_dim > 64
 DECODE_BLOCK_N = 64  # keys per step of the decode loop
+DEFAULT_WARPS = 4  # Triton's own default
+DECODE_WARPS_FP32 = 8  # fp32 decode tiles spill on sm_80 with 4 warps (FMA dots again)
+# the merge kernel holds every split's partial output in registers: 64 x head_dim 128 in fp32 fits
+# in 8 warps (4 spill on sm_80)
+DECODE_MAX_SPLITS = 64
+MERGE_WARPS = 8
 DECODE_MIN_SPLIT = 256  # tokens: a shorter split costs more to merge than its parallelism gains
 DECODE_TARGET_PROGRAMS = 512  # enough decode programs to fill a large GPU a few times over
 
@@ -38,7 +51,8 @@ DECODE_TARGET_PROGRAMS = 512  # enough decode programs to fill a large GPU a few
 class AttnMetadata:
     """Where the new tokens of one step go and what each sequence attends to."""
 
-    slot_mapping: Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    # [num_tokens] int64: block_id * block_size + offset of each new token; -1: a padding row
+    slot_mapping: Tensor
     block_tables: Tensor  # [num_seqs, max_blocks] int32, padded with 0
     seq_lens: Tensor  # [num_seqs] int32: KV length after this step (cached prefix + new tokens)
     query_start_loc: Tensor  # [num_seqs + 1] int32: cu_seqlens of the new tokens
@@ -85,9 +99,10 @@ def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
 def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write new K/V [num_tokens, kv_heads, head_dim] into cache views [num_blocks, block_size, kv_heads, head_dim]."""
     block_size = k_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    real = slot_mapping >= 0
+    blocks, offsets = slot_mapping[real] // block_size, slot_mapping[real] % block_size
+    k_cache[blocks, offsets] = k[real]
+    v_cache[blocks, offsets] = v[real]
 
 
 @_jit
@@ -97,6 +112,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
     # One program copies one new token's K and V (all KV heads) into its slot of the pool.
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64: block offsets can pass 2**31 elements in a big pool
+    if slot < 0:
+        return  # a padding row of a CUDA graph's batch
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < KV_HEADS) & (d < HEAD_DIM)
@@ -112,8 +129,13 @@ def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot
     assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share strides, head_dim contiguous"
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), *_cache_strides(k_cache, v_cache),
-        BLOCK_SIZE=k_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        **store_kv_config(k_cache.shape[1], kv_heads, head_dim))
+
+
+def store_kv_config(block_size: int, kv_heads: int, head_dim: int) -> dict:
+    """The store kernel's constexprs (for its launcher and for the compile tests alike)."""
+    return dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 # ---------------------------------------------------------------- attention: shared pieces
@@ -237,7 +259,7 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
 def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
     """Tokens per split: split long contexts until the grid has DECODE_TARGET_PROGRAMS programs."""
     num_splits = min(triton.cdiv(max_seq_len, DECODE_MIN_SPLIT),
-                     triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads))
+                     triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads), DECODE_MAX_SPLITS)
     return triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 
@@ -250,18 +272,29 @@ def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     num_splits = triton.cdiv(max_seq_len, split_len)
     part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E, split_len,
         q.stride(0), q.stride(1), block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
-        UPCAST=_interpreting())
+        **decode_config(heads // kv_heads, head_dim, k_cache.shape[1], q.dtype))
     out = torch.empty_like(q)
     _decode_merge_kernel[(num_seqs, heads)](
         part_out, part_lse, seq_lens, out, split_len, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        **merge_config(head_dim, num_splits))
     return out
+
+
+def decode_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """The decode split kernel's constexprs and warps; padding rows make the group tl.dot's 16."""
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+                BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(),
+                num_warps=DECODE_WARPS_FP32 if dtype == torch.float32 else DEFAULT_WARPS)
+
+
+def merge_config(head_dim: int, num_splits: int) -> dict:
+    """The decode merge kernel's constexprs and warps."""
+    return dict(HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+                BLOCK_D=triton.next_power_of_2(head_dim), num_warps=MERGE_WARPS)
 
 
 # ---------------------------------------------------------------- prefill / extend attention
@@ -322,13 +355,25 @@ def _extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: 
     """Every prefill/extend chunk of the batch (the sequences after the decodes) in one launch, into out."""
     heads, head_dim = q.shape[1:]
     nd = meta.num_decodes
-    grid = (triton.cdiv(max(meta.query_lens[nd:]), EXTEND_BLOCK_M), heads, len(meta.query_lens) - nd)
+    config = extend_config(heads // k_cache.shape[2], head_dim, k_cache.shape[1], q.dtype)
+    num_m_blocks = triton.cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"])
+    grid = (num_m_blocks, heads, len(meta.query_lens) - nd)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E, nd,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        *_cache_strides(k_cache, v_cache), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting())
+        *_cache_strides(k_cache, v_cache), **config)
+
+
+def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """The extend kernel's constexprs and warps: tiles by dtype and head_dim (EXTEND_TILES_*)."""
+    if dtype == torch.float32:
+        block_m, block_n, num_warps = EXTEND_TILES_FP32
+    else:
+        wide = head_dim > 64
+        block_m, block_n, num_warps = EXTEND_TILES_16BIT_WIDE if wide else EXTEND_TILES_16BIT
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(),
+                num_warps=num_warps)
 
 
 # ---------------------------------------------------------------- the whole batch
@@ -366,14 +411,21 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
 # ---------------------------------------------------------------- dispatch
 
 
+def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the thread's current CUDA device: make it the tensors' (cuda:1 too)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     if _use_triton(k.device):
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        with launch_device(k.device):
+            store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
     if _use_triton(q.device):
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+        with launch_device(q.device):
+            return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .kv import KVPool, build_metadata
+from .attention import AttnMetadata
+from .kv import KVPool, build_metadata, cdiv, to_device
 from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint,
                     generation_config, load_model, sample, token_logprobs)
 from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
@@ -30,6 +31,7 @@ GPU_MEMORY_UTILIZATION = 0.9  # device share for weights + KV (vLLM's default); 
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min) when a client declares none
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamp, so that nobody buys priority with a huge declared rate
+GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -38,13 +40,16 @@ class Engine:
     """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
 
     def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer, scheduler: Scheduler,
-                 read_rate: float = DEFAULT_READ_RATE, max_model_len: int | None = None):
+                 read_rate: float = DEFAULT_READ_RATE, max_model_len: int | None = None,
+                 enforce_eager: bool = False):
         self.model, self.config, self.tokenizer, self.scheduler = model, config, tokenizer, scheduler
         self.kv, self.clock, self.read_rate = scheduler.kv, scheduler.clock, read_rate
         self.device = self.kv.kv_cache.device if model else torch.device("cpu")
         self.kv_caches = self.kv.layer_caches() if model else []
         self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings,
                                             self.kv.num_blocks * self.kv.block_size)
+        eager = enforce_eager or self.device.type != "cuda"
+        self.graphs = None if eager else self.decode_graphs(capture=True)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -133,10 +138,14 @@ class Engine:
         meta, positions = build_metadata([r.block_table for r in reqs], computed, query_lens,
                                          sum(n == 1 for n in query_lens), self.kv.block_size, self.device)
         input_ids = [t for r, c, n in zip(reqs, computed, query_lens) for t in r.token_ids[c:c + n]]
-        ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
-        logits_indices = [ends[req] - 1 for req, _ in samplers]
-        logits = self.model(torch.tensor(input_ids, device=self.device), positions, self.kv_caches, meta,
-                            torch.tensor(logits_indices, dtype=torch.long, device=self.device))
+        ids = to_device(input_ids, torch.long, self.device)
+        if self.graphs and meta.num_decodes == len(samplers) == len(reqs):  # decode-only
+            logits = self.graphs.run(ids, positions, meta)
+        else:
+            ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
+            logits_indices = [ends[req] - 1 for req, _ in samplers]
+            logits = self.model(ids, positions, self.kv_caches, meta,
+                                to_device(logits_indices, torch.long, self.device))
         reqs = [r for r, _ in samplers]
         tokens = sample(logits, reqs, self.tokenizer.eos_token_ids)
         asked = [r for r in reqs if r.params.logprobs is not None]
@@ -146,6 +155,13 @@ class Engine:
                 if req.params.logprobs is not None:
                     req.logprobs.append((logprob, top[:req.params.logprobs]))
         return tokens
+
+    def decode_graphs(self, capture: bool) -> "DecodeGraphs":
+        """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
+        most = self.scheduler.max_num_seqs
+        sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, most, GRAPH_BATCH_STEP)]
+        return DecodeGraphs(self.model, self.kv_caches, [s for s in sizes if s < most] + [most],
+                            self.max_model_len, self.kv.block_size, capture)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append(token, self.clock())
@@ -175,6 +191,69 @@ class Engine:
         del self.requests[req.request_id], self.detokenizers[req.request_id]
 
 
+class DecodeGraphs:
+    """Decode-only steps at padded batch sizes, through static input, metadata and output buffers.
+
+    On CUDA each size is captured once as a CUDA graph and replayed (launching a step's hundreds
+    of kernels costs about as much as an 8B model's whole step at batch 1); elsewhere the same
+    padded forward runs eagerly, so that the padding is tested on a CPU. Before each replay the
+    real rows are written into the buffers (block tables change as requests grow, are swapped in
+    or replaced); padding rows store nothing (slot -1) and attend to one token. The decode split
+    count follows the model's context, not the batch's longest sequence, so that one capture
+    serves every step of its size.
+    """
+
+    def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
+                 block_size: int, capture: bool):
+        self.model, self.kv_caches = model, kv_caches
+        self.sizes, self.max_model_len = sorted(sizes), max_model_len
+        n, device = self.sizes[-1], kv_caches[0][0].device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.input_ids)
+        self.slot_mapping = torch.full_like(self.input_ids, -1)
+        self.rows = torch.arange(n, device=device)
+        self.block_tables = torch.zeros(n, cdiv(max_model_len, block_size), dtype=torch.int32,
+                                        device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = AttnMetadata(self.slot_mapping[:size], self.block_tables[:size],
+                            self.seq_lens[:size], self.query_start_loc[:size + 1], size, [1] * size,
+                            [self.max_model_len] * size)
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta,
+                          self.rows[:size])
+
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its memory
+            self._forward(size)  # Triton compiles outside the capture
+            self.graphs[size] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[size], pool=pool):
+                self.logits[size] = self._forward(size)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttnMetadata) -> torch.Tensor:
+        """Logits of a decode-only batch: its rows first, then padding up to the next size."""
+        n = len(input_ids)
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:size] = -1
+        self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+        self.seq_lens[:n] = meta.seq_lens
+        self.seq_lens[n:size] = 1
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.logits[size][:n]
+        return self._forward(size)[:n]
+
+
 @dataclass
 class Output:
     """What `LLM.generate` returns for each prompt."""
@@ -194,7 +273,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
                  read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
                  max_model_len: int | None = None,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION):
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = False):
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -214,7 +293,7 @@ class LLM:
         swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
             if num_host_blocks else None
         scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper, tokenflow)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len)
+        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len, enforce_eager)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -256,10 +335,11 @@ def clamp_read_rate(rate: float) -> float:
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
+    """A torch dtype, or None for auto (load_model picks)."""
+    if dtype in (None, "auto") or isinstance(dtype, torch.dtype):
+        return None if dtype == "auto" else dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; use auto or one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 
 

@@ -8,6 +8,7 @@ block_size] * block_size + i % block_size`. The scheduler asks this pool for roo
 request; the runner asks it for the step's `slot_mapping` and `block_tables`.
 """
 
+import weakref
 from collections import deque
 
 import torch
@@ -33,12 +34,24 @@ class KVPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         if host:  # in CPU memory, pinned for DMA; every block is written before it is read
-            self.kv_cache = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+            self.kv_cache = torch.empty(shape, dtype=dtype)
+            if device.type == "cuda":
+                self._pin()
         else:  # zeros: padded block-table entries point at block 0 and must read as finite numbers
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = self.kv_cache[0].numel() * self.kv_cache.element_size()
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
+
+    def _pin(self) -> None:
+        """Page-lock exactly this pool until it is collected (pin_memory=True rounds up to a power
+        of two: 100 GiB would pin 128)."""
+        cudart, ptr = torch.cuda.cudart(), self.kv_cache.data_ptr()
+        nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:  # cudaSuccess
+            raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; "
+                               "lower host_kv_gb")
+        weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
@@ -82,6 +95,14 @@ class KVPool:
             self.free_blocks.extend(item[1])
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list on the device without blocking the host: torch.tensor(..., device=)
+    waits for the stream (for a load the step waits for, say), and so does a non_blocking copy
+    from pageable memory."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
                    num_decodes: int, block_size: int, device: torch.device) -> tuple[AttnMetadata, Tensor]:
     """Attention metadata and positions for one flat batch.
@@ -100,17 +121,13 @@ def build_metadata(block_tables: list[list[int]], num_computed: list[int], query
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-
-    def tensor(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
     meta = AttnMetadata(
-        slot_mapping=tensor(slots, torch.int64),
-        block_tables=tensor(padded, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        query_start_loc=tensor(starts, torch.int32),
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(padded, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        query_start_loc=to_device(starts, torch.int32, device),
         num_decodes=num_decodes,
         query_lens=list(query_lens),
         seq_lens_list=seq_lens,
     )
-    return meta, tensor(positions, torch.int64)
+    return meta, to_device(positions, torch.int64, device)

@@ -291,21 +291,39 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
     return cfg, state, tok
 
 
+# --dtype auto on CPU. Measured on a 2-core Xeon with AMX, demo model, 128-token prompts, 32 new
+# tokens, one thread, best of 3: bf16 decodes 1 prompt at 17.6 tok/s (fp32: 15.8) and 16 prompts
+# at 140 (fp32: 65). Without native bf16 units (AMX or AVX512-BF16) bf16 matmuls are emulated.
+NATIVE_BF16 = ("amx_bf16", "avx512_bf16")
+NATIVE_BF16_CPU = any(torch.cpu.get_capabilities().get(f) for f in NATIVE_BF16)
+CPU_DTYPE = torch.bfloat16 if NATIVE_BF16_CPU else torch.float32
+
+
+def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """--dtype auto: CPU_DTYPE on CPU; on GPU the checkpoint's 16-bit dtype, else bf16 (fp32
+    weights read twice the bytes per token, and fp32 attention runs on FMA units)."""
+    if device.type != "cuda":
+        return CPU_DTYPE
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
 def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
                ) -> tuple[Transformer, "Tokenizer"]:
     """A ready model and tokenizer from a checkpoint folder or GGUF file."""
     ckpt = Path(ckpt)
+    ckpt_dtype = None  # a GGUF's weights are quantized: no dtype to keep
     if ckpt.suffix == ".gguf":
         cfg, state, tok = read_gguf(ckpt)
     else:
         if not (ckpt / "config.json").exists():
             raise FileNotFoundError(f"{ckpt} is neither a .gguf file nor a folder with config.json")
-        cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+        hf_config = json.loads((ckpt / "config.json").read_text())
+        ckpt_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")  # transformers 4 / 5
+        cfg = ModelConfig.from_hf(hf_config)
         tok = Tokenizer.from_folder(ckpt, cfg.eos_token_ids)
         cfg.eos_token_ids = tok.eos_token_ids
         state = load_safetensors(ckpt)
-    if dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = dtype or auto_dtype(device, ckpt_dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)

@@ -79,7 +79,7 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader 
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
                "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "gpu_memory_utilization")  # CLI flags for LLM(...)
+               "gpu_memory_utilization", "enforce_eager")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):
@@ -963,7 +963,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", choices=["tokenflow", "fcfs"], help="scheduling policy (default: the engine's; "
                    "fcfs is the vLLM/SGLang baseline)")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU "
+                   "(else bfloat16), nanoflow.model.CPU_DTYPE on CPU (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default: "
                    "the model's context, lowered to what the KV pool holds)")
     p.add_argument("--max-num-seqs", type=int, help="requests in one step at most (default: 256)")
@@ -971,6 +973,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per step at most (default: 2048)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="share of the GPU for weights + KV cache (default: 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs: every step runs eagerly (on a CPU it always does)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks in device memory (default: what free memory holds)")
     p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import KVPool, cdiv
+from .kv import KVPool, cdiv, to_device
 
 STAGING_BYTES = 64 << 20  # per staging buffer: big DMAs run at full link speed; a chunk is what fits
 BANDWIDTH_GUESS = {"cuda": 20e9, "cpu": 5e9}  # bytes/s until the first copy is measured
@@ -30,10 +30,16 @@ BANDWIDTH_EMA = 0.2  # weight of the newest measurement in the running estimate
 
 @dataclass(eq=False)
 class Transfer:
-    """One chunk in flight: the event that marks its DMA done and the host-side work that follows."""
+    """One chunk in flight: its size, the events around its DMA and the host-side work that follows.
 
-    done: torch.cuda.Event | None
+    `finish` holds tensors, never the Swapper: a Transfer outlives its copy in `last_use`, and a
+    cycle back to the Swapper would keep both KV pools alive after their engine is gone.
+    """
+
+    nbytes: int
     finish: Callable[[], None]
+    start: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
 
 
 class Swapper:
@@ -117,7 +123,7 @@ class Swapper:
     def poll(self) -> None:
         """Finish the transfers whose DMA is done; free the blocks they were holding."""
         while self.in_flight and self.in_flight[0].done.query():
-            self.in_flight.popleft().finish()
+            self._retire(self.in_flight.popleft())
         self.device.release_pending()
         self.host.release_pending()
 
@@ -146,8 +152,8 @@ class Swapper:
                 torch.index_select(self.device.kv_cache, 0, self._indices(src), out=dev_stage[:n])
                 host_stage[:n].copy_(dev_stage[:n], non_blocking=True)
 
-            def scatter(dst=dst, staged=host_stage[:n]):
-                self.host.kv_cache.index_copy_(0, dst, staged)
+            def scatter(dst=dst, staged=host_stage[:n], host=self.host.kv_cache):
+                host.index_copy_(0, dst, staged)
 
             self._copy_chunk(n, gather_and_copy, scatter)
             self.counters["bytes_to_host"] += n * self.block_bytes
@@ -167,9 +173,7 @@ class Swapper:
         return self.pending_event()
 
     def _indices(self, ids: list[int]) -> torch.Tensor:
-        """Block ids on the device, without blocking the host (a plain torch.tensor(..., device=) syncs)."""
-        t = torch.tensor(ids)
-        return t.pin_memory().to(self.device.kv_cache.device, non_blocking=True) if self.on_cuda else t
+        return to_device(ids, torch.int64, self.device.kv_cache.device)
 
     def _claim_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next staging pair, once the transfer that used it last has finished."""
@@ -180,33 +184,34 @@ class Swapper:
 
     def _copy_chunk(self, num_blocks: int, device_work: Callable[[], None], finish: Callable[[], None]) -> None:
         """Run one chunk's device-side copies on the side stream; `finish` runs on the host once they are done."""
-        nbytes = num_blocks * self.block_bytes
+        transfer = Transfer(num_blocks * self.block_bytes, finish)
+        self.last_use[self.slot] = transfer
         if not self.on_cuda:  # synchronous: everything is done on return
             start = time.perf_counter()
             device_work()
             finish()
-            self._measured(nbytes, time.perf_counter() - start)
+            self._measured(transfer.nbytes, time.perf_counter() - start)
             return
-        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        transfer.start = torch.cuda.Event(enable_timing=True)
+        transfer.done = torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the compute stream wrote the blocks
         with torch.cuda.stream(self.stream):
-            start.record()
+            transfer.start.record()
             device_work()
-            done.record()
-        self.queued_bytes += nbytes
-
-        def finish_and_measure():
-            finish()
-            self.queued_bytes -= nbytes
-            self._measured(nbytes, start.elapsed_time(done) / 1e3)
-
-        self.in_flight.append(Transfer(done, finish_and_measure))
-        self.last_use[self.slot] = self.in_flight[-1]
+            transfer.done.record()
+        self.queued_bytes += transfer.nbytes
+        self.in_flight.append(transfer)
 
     def _finish_oldest(self) -> None:
         t = self.in_flight.popleft()
         t.done.synchronize()
+        self._retire(t)
+
+    def _retire(self, t: Transfer) -> None:
+        """The host side of a chunk whose DMA is done, and its measured bandwidth."""
         t.finish()
+        self.queued_bytes -= t.nbytes
+        self._measured(t.nbytes, t.start.elapsed_time(t.done) / 1e3)
 
     def _measured(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:

@@ -2003,7 +2003,51 @@ def test_tokenflow_admits_what_it_rebalanced_for_first():
     assert not [x for x in starts if not x[0] and x[1]]
 
 
-@pytest.mark.parametrize("link,expected", [(1e9, 9), (1e6, 5)])
+def paused_reader(engine, prompt_len: int, host_tokens: int = 0, max_tokens: int = 100):
+    """A started request, preempted just now, with host_tokens of its KV on host."""
+    s = engine.scheduler
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, read_rate=10.0)
+    req = engine.add_request([1] * prompt_len, params)
+    req.append(0, engine.clock())
+    req.status, req.last_moved = RequestStatus.PREEMPTED, engine.clock()
+    assert s.swapper.host.grow(req.host_block_table, host_tokens)
+    req.num_host_tokens = host_tokens
+    return req
+
+
+def test_a_keep_set_member_that_does_not_fit_yet_holds_the_queue():
+    """The baseline's queue waits while a member of the keep-set waits for memory: here a newcomer
+    that would fit (2 blocks) stays out while a paused member's load (61 blocks) cannot start."""
+    engine = sim_engine(toy_cost(num_kv_blocks=64), "tokenflow")
+    s = engine.scheduler
+    s.rates.prefill_rate = 100.0  # recomputing a block (0.16 s) is slower than loading it (0.016 s)
+    [running_request(engine, 64, 1) for _ in range(2)]  # 8 of 64 blocks; the baseline reserves 10 for them
+    newcomer = engine.add_request([1] * 16, SamplingParams(max_tokens=1, ignore_eos=True))
+    member = paused_reader(engine, 900, host_tokens=960)  # 60 blocks to load, and one for its next token
+    s.policy.joining = [member]
+    s.policy.admit(s, {}, 10**6, engine.clock())
+    assert (newcomer.status, member.status) == (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@pytest.mark.parametrize("num_running,starts", [(2, True), (3, False)])
+def test_a_paused_reader_comes_back_only_with_room_for_everyones_growth(num_running, starts):
+    """A paused reader resumes only if its blocks and what the running requests (itself included) add
+    until the next rebalance fit: else resuming it pushes another out at once, and under overload the
+    swaps feed each other until the host pool is full. A decode step takes 0.02 s: in a 1.5 s interval
+    each request adds 75 tokens. Three 240-token requests hold 45 of 64 blocks; the member (recomputed)
+    needs 1 block and 4 x 75 tokens = 19 blocks of growth: 20 > 19 free. With two: 1 + 15 <= 34. (The
+    host pool, 20 blocks, could not take what the device holds: else a push-out is a cheap copy.)"""
+    engine = sim_engine(toy_cost(num_kv_blocks=64, num_host_blocks=20), "tokenflow")
+    s = engine.scheduler
+    s.rates.observe(0.02, 0, num_running)
+    [running_request(engine, 240, 500) for _ in range(num_running)]
+    member = paused_reader(engine, 100)
+    s.policy.joining = [member]
+    s.policy.admit(s, {}, 10**6, engine.clock())
+    assert (member.status == RequestStatus.RUNNING) == starts
+
+
+@pytest.mark.parametrize("link,expected", [(1e9, 15), (1e6, 5)])
 def test_mass_preemption_only_for_newcomers_that_can_start_within_the_interval(link, expected):
     engine = sim_engine(toy_cost(num_kv_blocks=330, link_bytes_per_s=link), "tokenflow")
     s = engine.scheduler
@@ -2021,8 +2065,9 @@ def test_mass_preemption_only_for_newcomers_that_can_start_within_the_interval(l
     news = [engine.add_request([1] * 500, SamplingParams(max_tokens=10, ignore_eos=True, read_rate=1.0))
             for _ in range(40)]
     victims = s.policy.preemptions(s, engine.clock())
-    # 3 newcomers of 500 tokens fit 1500 tokens of prefill; each needs 32 blocks (501 tokens), 96 in all,
-    # and the pool is full: 96 / 11 blocks per victim = 9 victims, not 30. On a 1 MB/s link a victim's
+    # 3 newcomers of 500 tokens fit 1500 tokens of prefill; with their 10 tokens of output each needs 32
+    # blocks. The 30 hold 11 blocks each and add 75 tokens within the interval (15 blocks each): the
+    # keep-set is the 3 newcomers and 15 of the 30 (96 + 225 <= 330): 15 leave, not 30. On a 1 MB/s link a victim's
     # copies (11 blocks out, 11 back, 16 KB each) take 0.352 s: 5 of them fill the 1.5 s interval.
     assert len(victims) == expected and {r for r in news if r in s.policy.keep} == set(news[:3])
 

@@ -519,6 +519,7 @@ class TokenFlow(FCFS):
         rebalance: switching must not outrun the link. A reader with time to spare waits for room."""
         joining = [r for r in self.joining if urgency[r][0] < 2]
         blocks = sum(s.kv.blocks_needed(r.block_table, r.num_tokens + 1) for r in joining) - s.kv.num_free
+        blocks += self.growth_blocks(s, itertools.chain(s.running, joining))  # and room to grow (blocks_to_admit)
         seats = len(joining) - (s.max_num_seqs - len(s.running))
         link = self.config.interval - (s.swapper.backlog() if s.swapper else 0.0)
         out = []
@@ -577,7 +578,7 @@ class TokenFlow(FCFS):
 
     def greedy_fill(self, s: Scheduler, by_urgency: list[Request]) -> set[Request]:
         """The most urgent requests whose KV, and its growth until the next rebalance, fits on the device."""
-        growth = self.config.interval / s.step_time()
+        growth = self.growth(s)
         room, keep = s.kv.num_blocks, set()
         for r in by_urgency[:s.max_num_seqs]:
             need = cdiv(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, growth), s.kv.block_size)
@@ -586,6 +587,10 @@ class TokenFlow(FCFS):
             keep.add(r)
             room -= need
         return keep
+
+    def growth(self, s: Scheduler) -> float:
+        """Tokens a running request adds before the next rebalance."""
+        return self.config.interval / s.step_time()
 
     def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
         """Its reader can stay off the device for mu - 1 switches before it has to come back (`lead`):
@@ -633,10 +638,24 @@ class TokenFlow(FCFS):
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
         """The keep-set's waiting members first, most urgent first; the baseline's admission once none wait."""
         for req in [r for r in self.joining if r.status in WAITING_STATES]:  # the rebalance made room for them
-            if budget == 0 or len(s.running) >= s.max_num_seqs or s.blocks_to_start(req) > s.kv.num_free:
+            if budget == 0 or len(s.running) >= s.max_num_seqs or self.blocks_to_admit(s, req) > s.kv.num_free:
                 return  # while a member waits for memory, nobody outside the keep-set may take it
             budget = s.start(req, scheduled, budget, now)
         super().admit(s, scheduled, budget, now)
+
+    def blocks_to_admit(self, s: Scheduler, req: Request) -> int:
+        """Free device blocks a member needs to start: its own, and room to grow (growth_blocks)."""
+        return s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
+
+    def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
+        """Device blocks to keep free for what these requests add until the next rebalance (none past its
+        max_tokens), once the host pool could not take everything on the device. Starting into a full
+        pool pushes another request out at once; while host memory is plenty that costs a copy, but such
+        swaps feed each other until the host pool is full, and then every push-out is a recompute."""
+        if not s.swapper or s.swapper.host.num_free >= s.kv.num_used:
+            return 0
+        growth = self.growth(s)
+        return cdiv(int(sum(min(r.params.max_tokens - r.num_output_tokens, growth) for r in reqs)), s.kv.block_size)
 
     def admission_queue(self, s: Scheduler, now: float) -> Iterable[Request]:
         """The baseline's queue, less those preempted within the last interval: what rebalancing took

@@ -634,7 +634,8 @@ class Handler(BaseHTTPRequestHandler):
         queues = []
         try:
             for ids, params in requests:
-                queues.append(self.server.loop.submit(f"burst-{uuid.uuid4().hex[:8]}", ids, params))
+                request_id = f"burst-{uuid.uuid4().hex[:8]}"
+                queues.append(self.server.loop.submit([request_id], ids, [params], request_id))
         except HTTPError as e:  # overloaded: the rest are not sent
             log.warning("burst: %d of %d requests sent: %s", len(queues), len(requests), e.message)
         threading.Thread(target=drain, args=(queues,), daemon=True).start()

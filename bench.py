@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import torch
 
 from nanoflow import LLM, SamplingParams
-from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, clamp_read_rate
+from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
@@ -51,6 +51,9 @@ BLOCK_SIZE = 16
 PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode speed
 PROMPT_VOCAB = 256  # prompt token ids are drawn below this: valid for every model, and content does not matter
 HTTP_TIMEOUT_S = 600.0
+# the engine's flags that bench takes (the others are bench's own or set per policy)
+ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "num_kv_blocks", "host_kv_gb",
+                "max_num_batched_tokens"]
 METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99", "qoe_mean",
                "qoe_good_share", "effective_throughput", "throughput", "makespan", "preemptions", "requests",
                "completed")
@@ -223,14 +226,6 @@ def wait_until(engine, t: float) -> None:
         time.sleep(max(0.0, t - engine.clock()))
 
 
-def step(engine) -> None:
-    """One engine step; a simulated engine with nothing to do lets a step's overhead pass instead."""
-    before = engine.clock()
-    engine.step()
-    if engine.clock() == before and hasattr(engine, "idle"):
-        engine.idle()
-
-
 def drive(engine, w: Workload, label: str) -> Run:
     """Add requests whose arrival time has come, step, and when idle wait for the next arrival."""
     wall, before = time.monotonic(), engine.stats()
@@ -240,7 +235,7 @@ def drive(engine, w: Workload, label: str) -> Run:
             i = len(reqs)
             reqs.append(engine.add_request(w.prompt_ids(i), w.params(i), arrival_time=start + w.arrival[i]))
         if engine.has_unfinished():
-            step(engine)
+            engine.step()
         elif len(reqs) < len(w):
             wait_until(engine, start + w.arrival[len(reqs)])
         if bar.due():
@@ -333,9 +328,8 @@ def engine_factory(args: argparse.Namespace, w: Workload):
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config,
                                  charge_scheduler=not args.uncharged)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
-    options = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                   num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
-                   max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
+    options = {**EngineConfig.flag_values(args, ENGINE_FLAGS), "num_kv_blocks": blocks,
+               "block_size": BLOCK_SIZE, "tokenflow": args.tokenflow_config}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
     return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), \
@@ -859,16 +853,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--calibrate", action="store_true", help="fit a cost model to this engine on this machine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (python -m nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
-    add("--device", help="cuda or cpu (default: cuda when available)")
-    add("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's on "
-        "GPU; nanoflow.model.CPU_DTYPE on CPU) (default: %(default)s)")
-    add("--num-kv-blocks", type=int, help=f"device KV blocks of {BLOCK_SIZE} tokens")
+    EngineConfig.add_flags(ap, ENGINE_FLAGS)
     add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
         f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
         "else all memory)")
-    add("--host-kv-gb", type=float, default=4.0, help="host memory for swapped-out KV (default: %(default)s)")
-    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default: %(default)s)")
     add("--context", type=int, default=8192, help="--http: clamp lengths to this context (default: %(default)s)")
     add("--json", metavar="PATH", help="write the config and each policy's metrics as JSON")
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs (needs matplotlib)")

@@ -7,33 +7,98 @@ requests' blocks). `LLM.generate` drives steps until every request is done; the 
 same steps from its own thread.
 """
 
+import argparse
 import logging
-import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from .attention import AttnMetadata
-from .kv import KVPool, build_metadata, cdiv, to_device
+from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
 from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint,
                     generation_config, load_model, sample, token_logprobs)
-from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
+from .sched import (POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler,
+                    TokenFlowConfig)
 from .swap import Swapper
 
 log = logging.getLogger("nanoflow")
 
-CPU_KV_FRACTION = 0.25  # share of available RAM the KV pool may take on CPU (the OS and weights need the rest)
-CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
-GPU_MEMORY_UTILIZATION = 0.9  # device share for weights + KV (vLLM's default); rest: activations
+# share of available RAM the KV pool may take on CPU (the OS and weights need the rest)...
+CPU_KV_FRACTION = 0.25
+# ...but no more: a CPU serves a handful of requests at a time
+CPU_KV_MAX_BYTES = 2 << 30
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
-DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min) when a client declares none
-READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamp, so that nobody buys priority with a huge declared rate
+# tokens/s: a fast silent reader (~360 words/min) when a client declares none
+DEFAULT_READ_RATE = 8.0
+# clamp, so that nobody buys priority with a huge declared rate
+READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0
 GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16}
+
+
+def knob(default, help: str, **flag):
+    """A config field that is also a command-line flag (`flag`: argparse's type, choices...)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass
+class EngineConfig:
+    """The engine's knobs and their defaults, in one place: `LLM(**fields)`, and the flags of
+    serve.py and bench.py (`add_flags`)."""
+
+    device: str | None = knob(None, "cuda, cuda:1 or cpu (default: cuda when available)")
+    dtype: str | torch.dtype | None = knob(
+        "auto", "float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU (else "
+        "bfloat16), nanoflow.model.CPU_DTYPE on CPU")
+    block_size: int = knob(16, "tokens per KV block", type=int)
+    num_kv_blocks: int | None = knob(
+        None, "KV blocks in device memory (default: what free memory holds)", type=int)
+    policy: str | Policy = knob("tokenflow", "scheduling policy (fcfs is the vLLM/SGLang "
+                                "baseline)", choices=list(POLICIES))
+    max_num_seqs: int = knob(256, "requests in one step at most", type=int)
+    max_num_batched_tokens: int = knob(2048, "tokens per step at most", type=int)
+    host_kv_gb: float = knob(4.0, "host memory for KV swapped out of the device, in GB",
+                             type=float)
+    read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s a request's reader reads when the "
+                            "request declares no read_rate", type=float)
+    tokenflow: TokenFlowConfig | None = knob(
+        None, f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
+        type=TokenFlowConfig.parse, metavar="KEY=VALUE,...")
+    max_model_len: int | None = knob(None, "longest prompt + output in tokens (default: the "
+                                     "model's context, lowered to what the KV pool holds)", type=int)
+    # vLLM's default; the rest of the device is for activations
+    gpu_memory_utilization: float = knob(0.9, "share of the GPU for weights + KV cache",
+                                         type=float)
+    enforce_eager: bool = knob(False, "no CUDA graphs: every step runs eagerly (on a CPU it "
+                               "always does)", action="store_true")
+
+    def __post_init__(self):
+        # checked before the model loads: a typo should fail fast
+        if isinstance(self.policy, str) and self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
+        """One --flag per field (or per field in `names`), with the field's default."""
+        for f in fields(cls):
+            if names is None or f.name in names:
+                default = "" if f.default in (None, False) else " (default: %(default)s)"
+                parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                                    **{**f.metadata, "help": f.metadata["help"] + default})
+
+    @staticmethod
+    def flag_values(args: argparse.Namespace, names: list[str] | None = None) -> dict:
+        """The fields' values from the flags that `add_flags(parser, names)` made."""
+        return {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+                if names is None or f.name in names}
 
 
 class Engine:
@@ -107,54 +172,66 @@ class Engine:
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
         start = self.clock()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        batch = Batch.of(self.scheduler.schedule())
+        if not batch.reqs:
             self.idle()
             return []
-        samplers = [(req, n) for req, n in scheduled if req.num_computed_tokens + n == req.num_tokens]
-        tokens = self.run(scheduled, samplers)
-        for req, n in scheduled:
-            req.num_computed_tokens += n
-        for (req, _), token in zip(samplers, tokens):
-            self._append_token(req, token)
-        decodes = sum(n == 1 for _, n in scheduled)
-        self.scheduler.after_step(self.clock() - start, sum(n for _, n in scheduled) - decodes, len(samplers))
-        return [req for req, _ in samplers]
+        self.wait_for_loads(batch)
+        tokens = self.run(batch)
+        self.postprocess(batch, tokens)
+        self.scheduler.after_step(self.clock() - start, batch.num_prefill_tokens,
+                                  len(batch.sampled))
+        return batch.sampled
 
     def idle(self) -> None:
         """Nothing could run (everyone waits for a transfer or an interval): don't spin a core."""
         if self.has_unfinished():
             time.sleep(IDLE_WAIT_S)
 
-    def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
-        """One forward over the flat batch; one sampled token per request in `samplers`."""
-        reqs = [req for req, _ in scheduled]
-        for req in reqs:  # the compute stream waits for the loads of exactly these requests
+    def wait_for_loads(self, batch: "Batch") -> None:
+        """The compute stream waits for the host-to-device KV copies of exactly these requests."""
+        for req in batch.reqs:
             if req.load_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(req.load_event)
                 req.load_event = None
-        query_lens = [n for _, n in scheduled]
+
+    def run(self, batch: "Batch") -> list[int]:
+        """One forward over the flat batch; one sampled token per request in `batch.sampled`."""
+        reqs = batch.reqs
         computed = [req.num_computed_tokens for req in reqs]
-        meta, positions = build_metadata([r.block_table for r in reqs], computed, query_lens,
-                                         sum(n == 1 for n in query_lens), self.kv.block_size, self.device)
-        input_ids = [t for r, c, n in zip(reqs, computed, query_lens) for t in r.token_ids[c:c + n]]
+        meta, positions = build_metadata([r.block_table for r in reqs], computed, batch.query_lens,
+                                         batch.num_decodes, self.kv.block_size, self.device)
+        input_ids = [t for r, c, n in zip(reqs, computed, batch.query_lens)
+                     for t in r.token_ids[c:c + n]]
         ids = to_device(input_ids, torch.long, self.device)
-        if self.graphs and meta.num_decodes == len(samplers) == len(reqs):  # decode-only
+        decode_only = meta.num_decodes == len(batch.sampled) == len(reqs)
+        if self.graphs and decode_only:
             logits = self.graphs.run(ids, positions, meta)
         else:
-            ends = dict(zip(reqs, torch.tensor(query_lens).cumsum(0).tolist()))
-            logits_indices = [ends[req] - 1 for req, _ in samplers]
+            ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
+            logits_indices = [ends[req] - 1 for req in batch.sampled]
             logits = self.model(ids, positions, self.kv_caches, meta,
                                 to_device(logits_indices, torch.long, self.device))
-        reqs = [r for r, _ in samplers]
-        tokens = sample(logits, reqs, self.tokenizer.eos_token_ids)
-        asked = [r for r in reqs if r.params.logprobs is not None]
-        if asked:
-            num_top = max(r.params.logprobs for r in asked)
-            for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, num_top)):
-                if req.params.logprobs is not None:
-                    req.logprobs.append((logprob, top[:req.params.logprobs]))
+        tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
+        self._record_logprobs(batch.sampled, logits, tokens)
         return tokens
+
+    def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor,
+                         tokens: list[int]) -> None:
+        asked = [r for r in reqs if r.params.logprobs is not None]
+        if not asked:
+            return
+        num_top = max(r.params.logprobs for r in asked)
+        for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, num_top)):
+            if req.params.logprobs is not None:
+                req.logprobs.append((logprob, top[:req.params.logprobs]))
+
+    def postprocess(self, batch: "Batch", tokens: list[int]) -> None:
+        """Advance every request past its computed tokens; append the sampled ones' new token."""
+        for req, n in zip(batch.reqs, batch.query_lens):
+            req.num_computed_tokens += n
+        for req, token in zip(batch.sampled, tokens):
+            self._append_token(req, token)
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
         """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
@@ -189,6 +266,29 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id], self.detokenizers[req.request_id]
+
+
+@dataclass
+class Batch:
+    """One step's work: the scheduled requests and how many new tokens each computes; `sampled`
+    are those that reach the end of their known tokens, so that a new token is sampled for them."""
+
+    reqs: list[Request]
+    query_lens: list[int]
+    sampled: list[Request]
+
+    @classmethod
+    def of(cls, scheduled: list[tuple[Request, int]]) -> "Batch":
+        sampled = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+        return cls([r for r, _ in scheduled], [n for _, n in scheduled], sampled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(n == 1 for n in self.query_lens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.query_lens) - self.num_decodes
 
 
 class DecodeGraphs:
@@ -266,34 +366,33 @@ class Output:
 
 
 class LLM:
-    """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
+    """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`.
 
-    def __init__(self, ckpt: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, policy: str | Policy = "tokenflow",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
-                 read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
-                 max_model_len: int | None = None,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = False):
-        if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
-            raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], "
-                             f"got {gpu_memory_utilization}")
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    Options are `EngineConfig` fields: `LLM(ckpt, num_kv_blocks=64)` or `LLM(ckpt, config)`.
+    """
+
+    def __init__(self, ckpt: str | Path | None = None, config: EngineConfig | None = None,
+                 **options):
+        c = replace(config or EngineConfig(), **options)
+        device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
-        model, self.tokenizer = load_model(ckpt, device, _dtype(dtype))
+        model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype))
         self.generation_config = generation_config(ckpt)
-        cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        block_bytes = 2 * math.prod(shape) * dtype.itemsize
-        num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes,
-                                                          gpu_memory_utilization)
+        cfg = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        shape = (cfg.num_hidden_layers, c.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        block_bytes = kv_block_bytes(*shape, dtype)
+        num_kv_blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes,
+                                                            c.gpu_memory_utilization)
         kv = KVPool(num_kv_blocks, *shape, dtype, device)
-        num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
-        swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
-            if num_host_blocks else None
-        scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper, tokenflow)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len, enforce_eager)
+        num_host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
+        swapper = None
+        if num_host_blocks:
+            swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True))
+        scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
+                              c.policy, swapper, c.tokenflow)
+        self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
+                             c.enforce_eager)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

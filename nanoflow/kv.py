@@ -21,6 +21,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """One block's memory: K and V of every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
 class KVPool:
     """KV memory and its block allocator. Invariant: num_free + num_used == num_blocks.
 
@@ -39,7 +45,7 @@ class KVPool:
                 self._pin()
         else:  # zeros: padded block-table entries point at block 0 and must read as finite numbers
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.bytes_per_block = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        self.bytes_per_block = kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
 

@@ -39,10 +39,10 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
-from .engine import LLM, Engine
+from .engine import LLM, Engine, EngineConfig
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import RequestRecord, rebuffer_time
-from .sched import Request, SamplingParams, TokenFlowConfig
+from .sched import Request, SamplingParams
 
 log = logging.getLogger("nanoflow.serve")
 
@@ -77,9 +77,6 @@ ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
-LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
-               "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "gpu_memory_utilization", "enforce_eager")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):
@@ -961,27 +958,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "the API, the first in answers (default: the checkpoint's name)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a jinja2 chat template to use instead of the model's own")
-    p.add_argument("--policy", choices=["tokenflow", "fcfs"], help="scheduling policy (default: the engine's; "
-                   "fcfs is the vLLM/SGLang baseline)")
-    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="auto",
-                   help="float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU "
-                   "(else bfloat16), nanoflow.model.CPU_DTYPE on CPU (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default: "
-                   "the model's context, lowered to what the KV pool holds)")
-    p.add_argument("--max-num-seqs", type=int, help="requests in one step at most (default: 256)")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens per step at most (default: 2048)")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   help="share of the GPU for weights + KV cache (default: 0.9)")
-    p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="no CUDA graphs: every step runs eagerly (on a CPU it always does)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV blocks in device memory (default: what free memory holds)")
-    p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
-    p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "
-                   "no read_rate (default: the engine's, 8)")
-    p.add_argument("--tokenflow", type=TokenFlowConfig.parse, metavar="KEY=VALUE,...",
-                   help=f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})")
+    EngineConfig.add_flags(p)
     p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
                    help="sampling defaults over the model's generation_config.json, "
                    'e.g. \'{"temperature": 0.7}\'')
@@ -1007,7 +984,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
                          generation_config=args.override_generation_config).start()
     print(f"nanoflow: loading {names[0]} at {server.url}/v1", flush=True)
-    llm = LLM(args.ckpt, **{k: getattr(args, k) for k in LLM_OPTIONS if getattr(args, k) is not None})
+    llm = LLM(args.ckpt, **EngineConfig.flag_values(args))
     if args.chat_template:
         llm.tokenizer.chat_template = args.chat_template.read_text()
     server.attach(llm)

@@ -187,14 +187,15 @@ class SimEngine(Engine):
     def idle(self) -> None:
         self.clock.advance_to(self.clock() + self.cost.overhead_s)
 
-    def run(self, scheduled: list[tuple[Request, int]], samplers: list[tuple[Request, int]]) -> list[int]:
-        for r, _ in scheduled:
+    def wait_for_loads(self, batch) -> None:
+        for r in batch.reqs:
             r.load_event = None  # the scheduler runs a loaded request only once its copy is done
-        decodes = sum(n == 1 for _, n in scheduled)
-        prefill = sum(n for _, n in scheduled) - decodes
-        kv_tokens = sum(r.num_computed_tokens + n for r, n in scheduled)
-        self.clock.advance_to(self.clock() + self.cost.step_time(prefill, decodes, kv_tokens))
-        return [SIM_TOKEN] * len(samplers)
+
+    def run(self, batch) -> list[int]:
+        kv_tokens = sum(r.num_computed_tokens + n for r, n in zip(batch.reqs, batch.query_lens))
+        step_s = self.cost.step_time(batch.num_prefill_tokens, batch.num_decodes, kv_tokens)
+        self.clock.advance_to(self.clock() + step_s)
+        return [SIM_TOKEN] * len(batch.sampled)
 
 
 def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) -> KVPool:

@@ -6,11 +6,17 @@ is what was generated and not yet read. Everything below is a function of the ar
 generation time of each token and r.
 """
 
+import bisect
+import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 TTFT_TARGET = 1.3  # s: the delay past which users disengage (TokenFlow's user study); Andes' QoE target
+ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
+TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
 
 
 def read_times(token_times: list[float], rate: float) -> list[float]:
@@ -89,3 +95,83 @@ def summarize(records: list[RequestRecord], makespan: float) -> dict[str, float]
         "effective_throughput": weighted / makespan, "throughput": tokens / makespan, "makespan": makespan,
         "requests": len(records), "completed": len(done),
     }
+
+
+# ---------------------------------------------------------------- the server's /metrics, as Prometheus text
+
+
+class Histogram:
+    """A Prometheus histogram: counts per bucket upper bound, a sum and a count."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def lines(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append(f'{self.name}_bucket{{le="{bound}"}} {total}')
+        return out + [f"{self.name}_sum {self.sum}", f"{self.name}_count {total}"]
+
+
+class Metrics:
+    """The server's counters and histograms; rendered with a snapshot of the engine's stats."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.tokens = {"prompt": 0, "generation": 0}
+        self.ttft = Histogram("nanoflow_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.tbt = Histogram("nanoflow_time_between_tokens_seconds", "Gap between consecutive tokens.", TBT_BUCKETS)
+        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled (docs/scheduling.md).",
+                                  TTFT_BUCKETS)
+
+    def rejected(self, code: str) -> None:
+        with self.lock:
+            self.outcomes[code] += 1
+
+    def finished(self, reason: str, prompt_tokens: int, record: RequestRecord, rebuffer: float) -> None:
+        with self.lock:
+            self.outcomes[reason] += 1
+            self.tokens["prompt"] += prompt_tokens
+            self.tokens["generation"] += len(record.token_times)
+            if record.token_times:
+                self.ttft.observe(record.ttft)
+                self.rebuffer.observe(rebuffer)
+            for a, b in zip(record.token_times, record.token_times[1:]):
+                self.tbt.observe(b - a)
+
+    def render(self, stats: dict, num_queued: int) -> str:
+        with self.lock:
+            out = ["# HELP nanoflow_requests_total Requests by outcome: finish reason, or the error code.",
+                   "# TYPE nanoflow_requests_total counter"]
+            out += [f'nanoflow_requests_total{{outcome="{k}"}} {n}' for k, n in sorted(self.outcomes.items())]
+            out += ["# TYPE nanoflow_tokens_total counter"]
+            out += [f'nanoflow_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
+            out += ["# HELP nanoflow_queued_requests Requests without a first token (compared with --max-waiting).",
+                    "# TYPE nanoflow_queued_requests gauge", f"nanoflow_queued_requests {num_queued}"]
+            out += self.ttft.lines() + self.tbt.lines() + self.rebuffer.lines()
+        return "\n".join(out + engine_lines(stats)) + "\n"
+
+
+def engine_lines(stats: dict) -> list[str]:
+    """Every numeric engine.stats() key: levels as gauges, the rest as counters; `X_blocks_used` too."""
+    out = []
+    for key, value in sorted(stats.items()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        gauge = key in ENGINE_GAUGES or "_blocks_" in key
+        name = f"nanoflow_{key}" if gauge else f"nanoflow_{key}_total"
+        out += [f"# TYPE {name} {'gauge' if gauge else 'counter'}", f"{name} {value}"]
+        total = stats.get(key.removesuffix("_free") + "_total")
+        if key.endswith("_blocks_free") and total is not None:
+            used = f"nanoflow_{key.removesuffix('_free')}_used"
+            out += [f"# TYPE {used} gauge", f"{used} {total - value}"]
+    return out

@@ -15,7 +15,6 @@ engine live (live.py), fed by `/v1/engine/events`.
 """
 
 import argparse
-import bisect
 import dataclasses
 import hmac
 import itertools
@@ -29,9 +28,9 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from collections import Counter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,7 +40,7 @@ from jinja2 import TemplateError
 
 from .engine import LLM, Engine, EngineConfig
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
-from .metrics import RequestRecord, rebuffer_time
+from .metrics import Metrics, rebuffer_time
 from .sched import Request, SamplingParams
 
 log = logging.getLogger("nanoflow.serve")
@@ -73,9 +72,6 @@ KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_
                 *UNSUPPORTED}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
-ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
-TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 
 
@@ -101,7 +97,7 @@ class ClientGone(ConnectionError):
 
 
 @dataclass
-class Event:
+class ChoiceDelta:
     """What the engine thread tells a connection: a choice's new text; at the end, its finish."""
 
     index: int = 0
@@ -113,7 +109,7 @@ class Event:
 
 
 @dataclass
-class Stream:
+class Choice:
     """The engine thread's record of one connection's request (one of its `n` choices)."""
 
     events: queue.Queue
@@ -128,19 +124,19 @@ class Stream:
 class EngineLoop(threading.Thread):
     """The only thread that touches the Engine; connections talk to it through `submit` and `abort`."""
 
-    def __init__(self, engine: Engine, metrics: "Metrics", max_waiting: int, live: LiveView):
+    def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
         self.engine, self.metrics, self.max_waiting, self.live = engine, metrics, max_waiting, live
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # makes "check the queue length, then enqueue" one step for racing submits
         self.num_queued = 0  # submitted requests without a token yet
         self.stopping = False
-        self.streams: dict[str, Stream] = {}
+        self.choices: dict[str, Choice] = {}
         self.snapshot = engine.stats()
 
     def submit(self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
                tag: str) -> queue.Queue:
-        """Queue a validated request's choices; their Events will arrive on the returned queue."""
+        """Queue a validated request's choices; their deltas will arrive on the returned queue."""
         events: queue.Queue = queue.Queue()
         with self.lock:
             if self.stopping:
@@ -150,7 +146,7 @@ class EngineLoop(threading.Thread):
                                 {"Retry-After": str(RETRY_AFTER_S)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
-                self.inbox.put(("add", request_id, (prompt_ids, p, Stream(events, i, tag))))
+                self.inbox.put(("add", request_id, (prompt_ids, p, Choice(events, i, tag))))
         return events
 
     def abort(self, request_id: str) -> None:
@@ -161,7 +157,7 @@ class EngineLoop(threading.Thread):
         self.inbox.put(("watch", None, None))
 
     def stop(self) -> None:
-        """Abort every request (each stream gets its last Event) and end the thread."""
+        """Abort every request (each choice gets its last ChoiceDelta) and end the thread."""
         with self.lock:
             self.stopping = True
             self.inbox.put(("stop", None, None))
@@ -176,9 +172,9 @@ class EngineLoop(threading.Thread):
                 log.exception("engine step failed; aborting every request")
                 self._abort_all(HTTPError(500, "the engine failed while running this request; see the server log"))
                 continue
-            self.snapshot = self.engine.stats()  # before the Events, so a finished client sees its blocks free
+            self.snapshot = self.engine.stats()  # before the deltas, so a finished client sees its blocks free
             for req in done:
-                self._publish(self.streams[req.request_id])
+                self._publish(self.choices[req.request_id])
             if self.live.viewers:
                 self.live.observe(done)
 
@@ -199,52 +195,52 @@ class EngineLoop(threading.Thread):
                 self._add(request_id, *payload)
             elif kind == "watch":
                 self.live.restart()
-            elif request_id in self.streams:
+            elif request_id in self.choices:
                 self.engine.abort(request_id)
-                self._publish(self.streams[request_id])
+                self._publish(self.choices[request_id])
         if items:
             self.snapshot = self.engine.stats()
         return True
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-             stream: Stream) -> None:
+             choice: Choice) -> None:
         try:
-            stream.request = self.engine.add_request(prompt_ids, params, request_id)
+            choice.request = self.engine.add_request(prompt_ids, params, request_id)
         except Exception as e:  # validated already; whatever still fails is this request's problem alone
-            self._unqueue(stream)
+            self._unqueue(choice)
             error = HTTPError(400 if isinstance(e, ValueError) else 500, str(e))
-            stream.events.put(Event(error=error))
+            choice.events.put(ChoiceDelta(error=error))
             return
-        self.streams[request_id] = stream
+        self.choices[request_id] = choice
 
     def _abort_all(self, error: HTTPError | None = None) -> None:
-        for request_id, stream in list(self.streams.items()):
+        for request_id, choice in list(self.choices.items()):
             self.engine.abort(request_id)
-            self._publish(stream, error)
+            self._publish(choice, error)
 
-    def _publish(self, stream: Stream, error: HTTPError | None = None) -> None:
+    def _publish(self, choice: Choice, error: HTTPError | None = None) -> None:
         """Send the text the request added since last time; at the end, its finish reason and usage."""
-        req = stream.request
+        req = choice.request
         text = req.stream_text()
-        sent = stream.sent_tokens
+        sent = choice.sent_tokens
         new_ids = req.token_ids[len(req.prompt_token_ids) + sent:] if req.logprobs else []
         logprobs = list(zip(new_ids, req.logprobs[sent:]))
-        event = Event(stream.index, text[stream.sent:], logprobs, req.finish_reason,
-                      req.num_output_tokens, error)
-        stream.sent = len(text)
-        stream.sent_tokens = req.num_output_tokens
-        if stream.queued and (req.num_output_tokens or req.is_finished):
-            self._unqueue(stream)
+        delta = ChoiceDelta(choice.index, text[choice.sent:], logprobs, req.finish_reason,
+                            req.num_output_tokens, error)
+        choice.sent = len(text)
+        choice.sent_tokens = req.num_output_tokens
+        if choice.queued and (req.num_output_tokens or req.is_finished):
+            self._unqueue(choice)
         if req.is_finished:
-            del self.streams[req.request_id]
-            self._log_finished(req, stream.tag)
-        if event.text or event.logprobs or event.finish_reason:
-            stream.events.put(event)
+            del self.choices[req.request_id]
+            self._log_finished(req, choice.tag)
+        if delta.text or delta.logprobs or delta.finish_reason:
+            choice.events.put(delta)
 
-    def _unqueue(self, stream: Stream) -> None:
+    def _unqueue(self, choice: Choice) -> None:
         with self.lock:
             self.num_queued -= 1
-        stream.queued = False
+        choice.queued = False
 
     def _log_finished(self, req: Request, tag: str) -> None:
         record = req.record()
@@ -253,86 +249,6 @@ class EngineLoop(threading.Thread):
         ttft = f"{record.ttft:.3f}s" if record.token_times else "-"
         log.info("%s %s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s", tag, req.request_id,
                  len(req.prompt_token_ids), req.num_output_tokens, ttft, rebuffer, req.finish_reason)
-
-
-# ---------------------------------------------------------------- /metrics
-
-
-class Histogram:
-    """A Prometheus histogram: counts per bucket upper bound, a sum and a count."""
-
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            total += n
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {total}')
-        return out + [f"{self.name}_sum {self.sum}", f"{self.name}_count {total}"]
-
-
-class Metrics:
-    """The server's counters and histograms; rendered with a snapshot of the engine's stats."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.outcomes: Counter[str] = Counter()
-        self.tokens = {"prompt": 0, "generation": 0}
-        self.ttft = Histogram("nanoflow_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.tbt = Histogram("nanoflow_time_between_tokens_seconds", "Gap between consecutive tokens.", TBT_BUCKETS)
-        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled (docs/scheduling.md).",
-                                  TTFT_BUCKETS)
-
-    def rejected(self, code: str) -> None:
-        with self.lock:
-            self.outcomes[code] += 1
-
-    def finished(self, reason: str, prompt_tokens: int, record: RequestRecord, rebuffer: float) -> None:
-        with self.lock:
-            self.outcomes[reason] += 1
-            self.tokens["prompt"] += prompt_tokens
-            self.tokens["generation"] += len(record.token_times)
-            if record.token_times:
-                self.ttft.observe(record.ttft)
-                self.rebuffer.observe(rebuffer)
-            for a, b in zip(record.token_times, record.token_times[1:]):
-                self.tbt.observe(b - a)
-
-    def render(self, stats: dict, num_queued: int) -> str:
-        with self.lock:
-            out = ["# HELP nanoflow_requests_total Requests by outcome: finish reason, or the error code.",
-                   "# TYPE nanoflow_requests_total counter"]
-            out += [f'nanoflow_requests_total{{outcome="{k}"}} {n}' for k, n in sorted(self.outcomes.items())]
-            out += ["# TYPE nanoflow_tokens_total counter"]
-            out += [f'nanoflow_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
-            out += ["# HELP nanoflow_queued_requests Requests without a first token (compared with --max-waiting).",
-                    "# TYPE nanoflow_queued_requests gauge", f"nanoflow_queued_requests {num_queued}"]
-            out += self.ttft.lines() + self.tbt.lines() + self.rebuffer.lines()
-        return "\n".join(out + engine_lines(stats)) + "\n"
-
-
-def engine_lines(stats: dict) -> list[str]:
-    """Every numeric engine.stats() key: levels as gauges, the rest as counters; `X_blocks_used` too."""
-    out = []
-    for key, value in sorted(stats.items()):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        gauge = key in ENGINE_GAUGES or "_blocks_" in key
-        name = f"nanoflow_{key}" if gauge else f"nanoflow_{key}_total"
-        out += [f"# TYPE {name} {'gauge' if gauge else 'counter'}", f"{name} {value}"]
-        total = stats.get(key.removesuffix("_free") + "_total")
-        if key.endswith("_blocks_free") and total is not None:
-            used = f"nanoflow_{key.removesuffix('_free')}_used"
-            out += [f"# TYPE {used} gauge", f"{used} {total - value}"]
-    return out
 
 
 # ---------------------------------------------------------------- requests: OpenAI fields to engine inputs
@@ -466,7 +382,7 @@ class Reply:
             self.text_sent[index] += sum(map(len, shaped["tokens"]))
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
-    def chunk(self, event: Event, role: bool = False) -> dict:
+    def chunk(self, event: ChoiceDelta, role: bool = False) -> dict:
         usage = {"usage": None} if self.include_usage else {}
         text = {"content": event.text} if event.text else {}
         delta = {"role": "assistant", "content": ""} if role else text
@@ -477,8 +393,8 @@ class Reply:
     def usage_chunk(self, usage: dict) -> dict:
         return self._object([], usage=usage)
 
-    def whole(self, events: list[Event], logprobs: bool, usage: dict) -> dict:
-        """Each choice from its Events: text and logprobs joined, the last one's finish reason."""
+    def whole(self, events: list[ChoiceDelta], logprobs: bool, usage: dict) -> dict:
+        """Each choice from its deltas: text and logprobs joined, the last one's finish reason."""
         out = []
         for i in range(len({e.index for e in events})):
             mine = [e for e in events if e.index == i]
@@ -690,12 +606,12 @@ class Handler(BaseHTTPRequestHandler):
                 for request_id in request_ids:  # frees it now if its client left
                     server.loop.abort(request_id)
 
-    def _stream(self, reply: Reply, events: Iterator[Event], num_prompt: int, params: list) -> None:
+    def _stream(self, reply: Reply, events: Iterator[ChoiceDelta], num_prompt: int, params: list) -> None:
         """Server-Sent Events as OpenAI sends them, one chunk per piece of text as soon as it exists."""
         self._start_events()
         if reply.chat:
             for i in range(len(params)):
-                self._sse(reply.chunk(Event(i), role=True))
+                self._sse(reply.chunk(ChoiceDelta(i), role=True))
         done = []
         for event in events:
             if event.error:
@@ -704,13 +620,13 @@ class Handler(BaseHTTPRequestHandler):
             if event.text or event.logprobs:
                 self._sse(reply.chunk(dataclasses.replace(event, finish_reason=None)))
             if event.finish_reason:  # in a chunk of its own, as OpenAI sends it
-                self._sse(reply.chunk(Event(event.index, finish_reason=event.finish_reason)))
+                self._sse(reply.chunk(ChoiceDelta(event.index, finish_reason=event.finish_reason)))
                 done.append(event)
         if reply.include_usage and len(done) == len(params):
             self._sse(reply.usage_chunk(usage(num_prompt, done)))
         self.wfile.write(b"data: [DONE]\n\n")
 
-    def _answer(self, reply: Reply, events: Iterator[Event], num_prompt: int, params: list) -> None:
+    def _answer(self, reply: Reply, events: Iterator[ChoiceDelta], num_prompt: int, params: list) -> None:
         got = list(events)
         if errors := [e.error for e in got if e.error]:
             raise errors[0]
@@ -718,8 +634,8 @@ class Handler(BaseHTTPRequestHandler):
         finished = [e for e in got if e.finish_reason]
         self._send_json(200, reply.whole(got, logprobs, usage(num_prompt, finished)))
 
-    def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[Event]:
-        """The Events of n choices until each has its last; raises ClientGone once the client left.
+    def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
+        """The deltas of n choices until each has its last; raises ClientGone once the client left.
 
         A stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment.
         """
@@ -809,7 +725,7 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s " + format, self.request_id, self.address_string(), *args)
 
 
-def usage(num_prompt: int, finished: list[Event]) -> dict:
+def usage(num_prompt: int, finished: list[ChoiceDelta]) -> dict:
     completion = sum(e.completion_tokens for e in finished)
     return {"prompt_tokens": num_prompt, "completion_tokens": completion,
             "total_tokens": num_prompt + completion}
@@ -825,7 +741,7 @@ ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions), "/v1/compl
 
 
 def drain(queues: list[queue.Queue]) -> None:
-    """Read a burst's Events to their ends; nobody else listens to them."""
+    """Read a burst's deltas to their ends; nobody else listens to them."""
     for events in queues:
         event = events.get()
         while not (event.finish_reason or event.error):

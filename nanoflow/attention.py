@@ -61,6 +61,32 @@ class AttnMetadata:
     seq_lens_list: list[int]
 
 
+# ---------------------------------------------------------------- the entry points
+
+
+def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the thread's current CUDA device: make it the tensors' (cuda:1 too)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write each new token's K/V into its slot of the pool (slot_mapping; -1: a padding row)."""
+    if _use_triton(k.device):
+        with launch_device(k.device):
+            store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+                    scale: float) -> Tensor:
+    """Attention of every new token of the flat batch over its sequence's paged KV."""
+    if _use_triton(q.device):
+        with launch_device(q.device):
+            return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
 def attention_backend(device: torch.device) -> str:
     """Triton on CUDA, torch elsewhere; NANOFLOW_ATTN=triton|torch forces one."""
     forced = os.environ.get("NANOFLOW_ATTN")
@@ -162,10 +188,15 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
 
 
 @_jit
-def _paged_offsets(table_ptr, pos, mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
-    """[len(pos), len(d)] offsets into a cache view of one KV head's rows at token positions pos."""
-    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
-    return block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d, stride_cb, stride_cs,
+                  stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K and V [len(pos), len(d)] of one KV head at token positions pos (0 outside in_range)."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    offsets = (block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs
+               + kv_head * stride_ch + d[None, :])
+    mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    return k, tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
 
 
 @_jit
@@ -229,10 +260,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
-        offsets = _paged_offsets(table_ptr, pos, in_range, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        kv_mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d,
+                             stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, in_range[None, :], m_i, l_i, acc, qk_scale, UPCAST)
     part = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [seq, head, split]
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g < GROUP)
@@ -300,15 +329,20 @@ def merge_config(head_dim: int, num_splits: int) -> dict:
 # ---------------------------------------------------------------- prefill / extend attention
 
 
-def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int,
-                         scale: float) -> Tensor:
-    """Causal attention of one sequence's chunk q [n, heads, d], the last n of its seq_len tokens."""
-    n = q.shape[0]
-    k = _gather_context(k_cache, block_table[None], seq_len)
-    v = _gather_context(v_cache, block_table[None], seq_len)
-    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None] <= q_pos[:, None]
-    return _attend(q[None], k, v, mask[None], scale)[0]
+def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+                         scale: float, out: Tensor) -> None:
+    """Every prefill/extend chunk of the batch (the sequences after the decodes), into out: each
+    chunk attends causally to its sequence's cached prefix and to itself."""
+    start = meta.num_decodes
+    for i in range(meta.num_decodes, len(meta.query_lens)):
+        n = meta.query_lens[i]
+        seq_len = meta.seq_lens_list[i]
+        k = _gather_context(k_cache, meta.block_tables[i][None], seq_len)
+        v = _gather_context(v_cache, meta.block_tables[i][None], seq_len)
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None] <= q_pos[:, None]
+        out[start:start + n] = _attend(q[start:start + n][None], k, v, mask[None], scale)[0]
+        start += n
 
 
 @_jit
@@ -339,10 +373,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, s
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
-        offsets = _paged_offsets(table_ptr, pos, in_range, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        kv_mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d,
+                             stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE)
         causal = pos[None, :] <= q_pos[:, None]  # implies pos < seq_len for real query rows
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, UPCAST)
     out = acc / l_i[:, None]
@@ -350,9 +382,9 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, s
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
-                             out: Tensor) -> None:
-    """Every prefill/extend chunk of the batch (the sequences after the decodes) in one launch, into out."""
+def extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+                            scale: float, out: Tensor) -> None:
+    """extend_attention_ref's contract, every chunk in one launch."""
     heads, head_dim = q.shape[1:]
     nd = meta.num_decodes
     config = extend_config(heads // k_cache.shape[2], head_dim, k_cache.shape[1], q.dtype)
@@ -379,53 +411,27 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
 # ---------------------------------------------------------------- the whole batch
 
 
-def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
-    """The whole flat batch: decodes in one batched call, then each prefill chunk."""
+def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+                        scale: float) -> Tensor:
+    """The whole flat batch in torch: decodes in one batched call, then each prefill chunk."""
+    return _paged_attention(q, k_cache, v_cache, meta, scale, decode_attention_ref,
+                            extend_attention_ref)
+
+
+def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+                           scale: float) -> Tensor:
+    """The whole flat batch: one flash-decoding pass for the decodes, one extend launch for all
+    chunks."""
+    return _paged_attention(q, k_cache, v_cache, meta, scale, decode_attention_triton,
+                            extend_attention_triton)
+
+
+def _paged_attention(q, k_cache, v_cache, meta, scale, decode, extend) -> Tensor:
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        max_len = max(meta.seq_lens_list[:nd])
-        out[:nd] = decode_attention_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                        max_len, scale)
-    start = nd
-    for i in range(nd, len(meta.query_lens)):
-        end = start + meta.query_lens[i]
-        out[start:end] = extend_attention_ref(q[start:end], k_cache, v_cache, meta.block_tables[i],
-                                              meta.seq_lens_list[i], scale)
-        start = end
-    return out
-
-
-def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
-    """The whole flat batch: one flash-decoding pass for the decodes, one extend launch for all chunks."""
-    out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = decode_attention_triton(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                           max(meta.seq_lens_list[:nd]), scale)
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                          max(meta.seq_lens_list[:nd]), scale)
     if len(meta.query_lens) > nd:
-        _extend_attention_triton(q, k_cache, v_cache, meta, scale, out)
+        extend(q, k_cache, v_cache, meta, scale, out)
     return out
-
-
-# ---------------------------------------------------------------- dispatch
-
-
-def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Triton launches on the thread's current CUDA device: make it the tensors' (cuda:1 too)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    if _use_triton(k.device):
-        with launch_device(k.device):
-            store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float) -> Tensor:
-    if _use_triton(q.device):
-        with launch_device(q.device):
-            return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

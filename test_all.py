@@ -1799,7 +1799,7 @@ def test_metrics_by_hand():
         req.append(0, t)
         assert req.dry_at == pytest.approx(t + 0.1)
     # L = 20 tokens all generated at once, read at 1 token/s: token j finds j - 1 tokens unread
-    weights = effective_weights([0.001 * j for j in range(20)], 1.0, 20)
+    weights = effective_weights([0.001 * j for j in range(20)], 1.0)
     assert (weights[2], weights[4], weights[6]) == (1.0, pytest.approx(0.5), 0.0)  # buffer 5%, 15%, 25% of L
     s = summarize([RequestRecord(0.0, times, 10.0), RequestRecord(0.5, [1.0, 1.1], 10.0)], makespan=2.0)
     assert s["ttft_mean"] == pytest.approx(0.75) and s["throughput"] == pytest.approx(3.0)

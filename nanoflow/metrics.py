@@ -34,11 +34,12 @@ def rebuffer_time(token_times: list[float], rate: float) -> float:
     return sum(max(0.0, reads[j] - (reads[j - 1] + 1.0 / rate)) for j in range(1, len(reads)))
 
 
-def effective_weights(token_times: list[float], rate: float, output_len: int) -> list[float]:
-    """TokenFlow §7.1.3: a token generated while the buffer B is <= 10% of the output length weighs 1,
-    falling linearly to 0 at 20%: a token made long before anyone can read it is worth less."""
+def effective_weights(token_times: list[float], rate: float) -> list[float]:
+    """TokenFlow §7.1.3: a token generated while the buffer B is <= 10% of the output length weighs
+    1, falling linearly to 0 at 20%: a token made long before anyone can read it is worth less."""
     reads = read_times(token_times, rate)
-    low, high = 0.1 * output_len, 0.2 * output_len
+    low = 0.1 * len(token_times)
+    high = 0.2 * len(token_times)
     weights, read = [], 0
     for j, t in enumerate(token_times):
         while read < j and reads[read] <= t:
@@ -85,7 +86,7 @@ def summarize(records: list[RequestRecord], makespan: float) -> dict[str, float]
     rebuffers = [rebuffer_time(r.token_times, r.rate) for r in done]
     qoes = [qoe(r.arrival, r.token_times, r.rate) for r in done]
     tokens = sum(len(r.token_times) for r in done)
-    weighted = sum(sum(effective_weights(r.token_times, r.rate, len(r.token_times))) for r in done)
+    weighted = sum(sum(effective_weights(r.token_times, r.rate)) for r in done)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {
         "ttft_mean": mean(ttfts), "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),

@@ -103,6 +103,11 @@ def _use_triton(device: torch.device) -> bool:
     return True
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, for every count of blocks, splits and tiles."""
+    return -(-a // b)
+
+
 def _jit(fn):
     """triton.jit when triton is installed; without it the kernels are never launched."""
     return triton.jit(fn) if triton else fn
@@ -170,7 +175,7 @@ def store_kv_config(block_size: int, kv_heads: int, head_dim: int) -> dict:
 def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor:
     """[num_seqs, max_len, kv_heads, head_dim]: each sequence's first max_len cached tokens."""
     block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     ids = block_tables[:, :num_blocks].reshape(-1).long()
     gathered = torch.index_select(cache, 0, ids)  # much faster on CPU than advanced indexing
     return gathered.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :max_len]
@@ -287,9 +292,9 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
 
 def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
     """Tokens per split: split long contexts until the grid has DECODE_TARGET_PROGRAMS programs."""
-    num_splits = min(triton.cdiv(max_seq_len, DECODE_MIN_SPLIT),
-                     triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads), DECODE_MAX_SPLITS)
-    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    num_splits = min(cdiv(max_seq_len, DECODE_MIN_SPLIT),
+                     cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads), DECODE_MAX_SPLITS)
+    return cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 
 def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -298,7 +303,7 @@ def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     split_len = _decode_split_len(num_seqs, kv_heads, max_seq_len)
-    num_splits = triton.cdiv(max_seq_len, split_len)
+    num_splits = cdiv(max_seq_len, split_len)
     part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
@@ -388,7 +393,7 @@ def extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
     heads, head_dim = q.shape[1:]
     nd = meta.num_decodes
     config = extend_config(heads // k_cache.shape[2], head_dim, k_cache.shape[1], q.dtype)
-    num_m_blocks = triton.cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"])
+    num_m_blocks = cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"])
     grid = (num_m_blocks, heads, len(meta.query_lens) - nd)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E, nd,

@@ -14,11 +14,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from .attention import AttnMetadata
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from .attention import AttnMetadata, cdiv
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -177,13 +177,6 @@ class Request:
     def started(self) -> bool:
         return bool(self.token_times)
 
-    def stream_text(self) -> str:
-        """The output text that is safe to show now: a possible start of a stop string is held back."""
-        if self.is_finished or not self.params.stop:
-            return self.output_text
-        hold = max(len(s) for s in self.params.stop) - 1
-        return self.output_text[:max(0, len(self.output_text) - hold)]
-
 
 @dataclass
 class StepRates:

@@ -116,9 +116,17 @@ class Choice:
     index: int
     tag: str  # the X-Request-Id, for the log
     request: Request | None = None  # once the engine has added it
-    sent: int = 0  # characters of stream_text() already sent
+    sent: int = 0  # characters of stream_text(request) already sent
     sent_tokens: int = 0  # output tokens whose logprobs were sent
     queued: bool = True  # no token yet: counts against max_waiting
+
+
+def stream_text(req: Request) -> str:
+    """The output text that is safe to show now: a possible start of a stop string is held back."""
+    if req.is_finished or not req.params.stop:
+        return req.output_text
+    hold = max(len(s) for s in req.params.stop) - 1
+    return req.output_text[:max(0, len(req.output_text) - hold)]
 
 
 class EngineLoop(threading.Thread):
@@ -221,7 +229,7 @@ class EngineLoop(threading.Thread):
     def _publish(self, choice: Choice, error: HTTPError | None = None) -> None:
         """Send the text the request added since last time; at the end, its finish reason and usage."""
         req = choice.request
-        text = req.stream_text()
+        text = stream_text(req)
         sent = choice.sent_tokens
         new_ids = req.token_ids[len(req.prompt_token_ids) + sent:] if req.logprobs else []
         logprobs = list(zip(new_ids, req.logprobs[sent:]))

@@ -69,8 +69,9 @@ class EngineConfig:
     tokenflow: TokenFlowConfig | None = knob(
         None, f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
         type=TokenFlowConfig.parse, metavar="KEY=VALUE,...")
-    max_model_len: int | None = knob(None, "longest prompt + output in tokens (default: the "
-                                     "model's context, lowered to what the KV pool holds)", type=int)
+    max_model_len: int | None = knob(
+        None, "longest prompt + output in tokens (default: the model's context, lowered to what "
+        "the KV pool holds)", type=int)
     # vLLM's default; the rest of the device is for activations
     gpu_memory_utilization: float = knob(0.9, "share of the GPU for weights + KV cache",
                                          type=float)
@@ -104,11 +105,16 @@ class EngineConfig:
 class Engine:
     """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
 
-    def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer, scheduler: Scheduler,
-                 read_rate: float = DEFAULT_READ_RATE, max_model_len: int | None = None,
-                 enforce_eager: bool = False):
-        self.model, self.config, self.tokenizer, self.scheduler = model, config, tokenizer, scheduler
-        self.kv, self.clock, self.read_rate = scheduler.kv, scheduler.clock, read_rate
+    def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer,
+                 scheduler: Scheduler, read_rate: float = DEFAULT_READ_RATE,
+                 max_model_len: int | None = None, enforce_eager: bool = False):
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.clock = scheduler.clock
+        self.read_rate = read_rate
         self.device = self.kv.kv_cache.device if model else torch.device("cpu")
         self.kv_caches = self.kv.layer_caches() if model else []
         self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings,
@@ -118,9 +124,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; raises ValueError (and queues nothing) if it can never run."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; raises ValueError (and queues nothing) if it can never
+        run."""
         self.check_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -160,14 +167,17 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counters since start and the state of the queues and pools now."""
-        s, swapper = self.scheduler, self.scheduler.swapper
+        s = self.scheduler
+        swapper = s.swapper
         host = swapper.host if swapper else None
         return {"preemptions": 0, "resumes_load": 0, "resumes_recompute": 0, "bytes_to_host": 0,
-                "bytes_to_device": 0, "blocks_written_through": 0, **s.counters, **(swapper.counters if swapper else {}),
+                "bytes_to_device": 0, "blocks_written_through": 0, **s.counters,
+                **(swapper.counters if swapper else {}),
                 "running": len(s.running), "waiting": len(s.waiting),
                 "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
                 "device_blocks_free": self.kv.num_free, "device_blocks_total": self.kv.num_blocks,
-                "host_blocks_free": host.num_free if host else 0, "host_blocks_total": host.num_blocks if host else 0}
+                "host_blocks_free": host.num_free if host else 0,
+                "host_blocks_total": host.num_blocks if host else 0}
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
@@ -244,7 +254,8 @@ class Engine:
         req.append(token, self.clock())
         eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids
                                                      and not req.params.ignore_eos)
-        done = eos or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        full = req.num_tokens >= self.max_model_len
+        done = eos or req.num_output_tokens >= req.params.max_tokens or full
         detokenizer = self.detokenizers[req.request_id]
         before = len(req.output_text)
         req.output_text += detokenizer.step(req.output_token_ids)
@@ -258,7 +269,9 @@ class Engine:
     @staticmethod
     def _cut_at_stop_string(req: Request, before: int) -> bool:
         """Truncate output_text before the first stop string that the new text completed."""
-        hits = [i for s in req.params.stop if (i := req.output_text.find(s, max(0, before - len(s) + 1))) >= 0]
+        text = req.output_text
+        found = (text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)
+        hits = [i for i in found if i >= 0]
         if hits:
             req.output_text = req.output_text[:min(hits)]
         return bool(hits)
@@ -305,9 +318,12 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool):
-        self.model, self.kv_caches = model, kv_caches
-        self.sizes, self.max_model_len = sorted(sizes), max_model_len
-        n, device = self.sizes[-1], kv_caches[0][0].device
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        n = self.sizes[-1]
+        device = kv_caches[0][0].device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros_like(self.input_ids)
         self.slot_mapping = torch.full_like(self.input_ids, -1)
@@ -407,13 +423,15 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
-        """Like generate, for conversations ([{"role", "content"}, ...]) through the chat template."""
+        """Like generate, for conversations ([{"role", "content"}, ...]), through the chat
+        template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self._run([self.tokenizer.apply_chat_template(c) for c in conversations], params)
 
     def _run(self, prompt_ids: list[list[int]], params) -> list[Output]:
-        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompt_ids)
         if len(params) != len(prompt_ids):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(params)} SamplingParams")
         for i, (ids, p) in enumerate(zip(prompt_ids, params)):
@@ -424,8 +442,8 @@ class LLM:
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
         while self.engine.has_unfinished():
             self.engine.step()
-        return [Output(r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids, r.finish_reason)
-                for r in reqs]
+        return [Output(r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids,
+                       r.finish_reason) for r in reqs]
 
 
 def clamp_read_rate(rate: float) -> float:

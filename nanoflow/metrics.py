@@ -1,9 +1,9 @@
 """The reader model and the metrics, one implementation for the scheduler, the bench and the server.
 
 A request's reader starts at its first token and reads one token every 1/r seconds, but never a
-token that does not exist yet (docs/scheduling.md): `t_read[j] = max(t_gen[j], t_read[j-1] + 1/r)`. Its buffer
-is what was generated and not yet read. Everything below is a function of the arrival time, the
-generation time of each token and r.
+token that does not exist yet (docs/scheduling.md): `t_read[j] = max(t_gen[j], t_read[j-1] + 1/r)`.
+Its buffer is what was generated and not yet read. Everything below is a function of the arrival
+time, the generation time of each token and r. At the end: the server's /metrics as Prometheus text.
 """
 
 import bisect
@@ -13,10 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-TTFT_TARGET = 1.3  # s: the delay past which users disengage (TokenFlow's user study); Andes' QoE target
-ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() keys that are levels; the rest count since start
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s is where users give up
-TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
+# s: the delay past which users disengage (TokenFlow's user study); Andes' QoE target
+TTFT_TARGET = 1.3
+# engine.stats() keys that are levels; the rest count since start
+ENGINE_GAUGES = {"running", "waiting", "preempted"}
+# s; 1.3 s is where users give up
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)
+# s; a reader at 8 tok/s needs < 0.125
+TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
 def read_times(token_times: list[float], rate: float) -> list[float]:
@@ -49,7 +53,8 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
     return weights
 
 
-def qoe(arrival: float, token_times: list[float], rate: float, ttft_target: float = TTFT_TARGET) -> float:
+def qoe(arrival: float, token_times: list[float], rate: float,
+        ttft_target: float = TTFT_TARGET) -> float:
     """Andes' QoE: 1 - (reading delay past the ideal schedule) / (time from arrival to each read).
 
     Token i's ideal read time is arrival + ttft_target + (i-1)/r; a token read earlier than ideal
@@ -89,23 +94,27 @@ def summarize(records: list[RequestRecord], makespan: float) -> dict[str, float]
     weighted = sum(sum(effective_weights(r.token_times, r.rate)) for r in done)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {
-        "ttft_mean": mean(ttfts), "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+        "ttft_mean": mean(ttfts), "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
         "tbt_p99": percentile(tbts, 99),
         "rebuffer_mean": mean(rebuffers), "rebuffer_p99": percentile(rebuffers, 99),
         "qoe_mean": mean(qoes), "qoe_good_share": mean([q >= 0.95 for q in qoes]),
-        "effective_throughput": weighted / makespan, "throughput": tokens / makespan, "makespan": makespan,
+        "effective_throughput": weighted / makespan, "throughput": tokens / makespan,
+        "makespan": makespan,
         "requests": len(records), "completed": len(done),
     }
 
 
-# ---------------------------------------------------------------- the server's /metrics, as Prometheus text
+# ---------------------------------------------------------------- /metrics, as Prometheus text
 
 
 class Histogram:
     """A Prometheus histogram: counts per bucket upper bound, a sum and a count."""
 
     def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, buckets
+        self.name = name
+        self.help = help
+        self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self.sum = 0.0
 
@@ -129,16 +138,20 @@ class Metrics:
         self.lock = threading.Lock()
         self.outcomes: Counter[str] = Counter()
         self.tokens = {"prompt": 0, "generation": 0}
-        self.ttft = Histogram("nanoflow_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.tbt = Histogram("nanoflow_time_between_tokens_seconds", "Gap between consecutive tokens.", TBT_BUCKETS)
-        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled (docs/scheduling.md).",
+        self.ttft = Histogram("nanoflow_time_to_first_token_seconds", "Arrival to first token.",
+                              TTFT_BUCKETS)
+        self.tbt = Histogram("nanoflow_time_between_tokens_seconds",
+                             "Gap between consecutive tokens.", TBT_BUCKETS)
+        self.rebuffer = Histogram("nanoflow_rebuffer_seconds",
+                                  "Time a request's reader stalled (docs/scheduling.md).",
                                   TTFT_BUCKETS)
 
     def rejected(self, code: str) -> None:
         with self.lock:
             self.outcomes[code] += 1
 
-    def finished(self, reason: str, prompt_tokens: int, record: RequestRecord, rebuffer: float) -> None:
+    def finished(self, reason: str, prompt_tokens: int, record: RequestRecord,
+                 rebuffer: float) -> None:
         with self.lock:
             self.outcomes[reason] += 1
             self.tokens["prompt"] += prompt_tokens
@@ -151,19 +164,22 @@ class Metrics:
 
     def render(self, stats: dict, num_queued: int) -> str:
         with self.lock:
-            out = ["# HELP nanoflow_requests_total Requests by outcome: finish reason, or the error code.",
-                   "# TYPE nanoflow_requests_total counter"]
-            out += [f'nanoflow_requests_total{{outcome="{k}"}} {n}' for k, n in sorted(self.outcomes.items())]
+            out = ["# HELP nanoflow_requests_total Requests by outcome: finish reason, or the "
+                   "error code.", "# TYPE nanoflow_requests_total counter"]
+            out += [f'nanoflow_requests_total{{outcome="{k}"}} {n}'
+                    for k, n in sorted(self.outcomes.items())]
             out += ["# TYPE nanoflow_tokens_total counter"]
             out += [f'nanoflow_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
-            out += ["# HELP nanoflow_queued_requests Requests without a first token (compared with --max-waiting).",
-                    "# TYPE nanoflow_queued_requests gauge", f"nanoflow_queued_requests {num_queued}"]
+            out += ["# HELP nanoflow_queued_requests Requests without a first token (compared "
+                    "with --max-waiting).", "# TYPE nanoflow_queued_requests gauge",
+                    f"nanoflow_queued_requests {num_queued}"]
             out += self.ttft.lines() + self.tbt.lines() + self.rebuffer.lines()
         return "\n".join(out + engine_lines(stats)) + "\n"
 
 
 def engine_lines(stats: dict) -> list[str]:
-    """Every numeric engine.stats() key: levels as gauges, the rest as counters; `X_blocks_used` too."""
+    """Every numeric engine.stats() key: levels as gauges, the rest as counters; `X_blocks_used`
+    too."""
     out = []
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -130,13 +130,18 @@ def stream_text(req: Request) -> str:
 
 
 class EngineLoop(threading.Thread):
-    """The only thread that touches the Engine; connections talk to it through `submit` and `abort`."""
+    """The only thread that touches the Engine; connections talk to it through `submit` and
+    `abort`, and it answers each choice on the choice's own queue (ChoiceDelta)."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
-        self.engine, self.metrics, self.max_waiting, self.live = engine, metrics, max_waiting, live
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.live = live
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()  # makes "check the queue length, then enqueue" one step for racing submits
+        # makes "check the queue length, then enqueue" one step for racing submits
+        self.lock = threading.Lock()
         self.num_queued = 0  # submitted requests without a token yet
         self.stopping = False
         self.choices: dict[str, Choice] = {}
@@ -150,8 +155,8 @@ class EngineLoop(threading.Thread):
             if self.stopping:
                 raise HTTPError(503, "the server is shutting down")
             if self.num_queued >= self.max_waiting:
-                raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry shortly", "overloaded",
-                                {"Retry-After": str(RETRY_AFTER_S)})
+                raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry "
+                                "shortly", "overloaded", {"Retry-After": str(RETRY_AFTER_S)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
                 self.inbox.put(("add", request_id, (prompt_ids, p, Choice(events, i, tag))))
@@ -178,16 +183,19 @@ class EngineLoop(threading.Thread):
                 done = self.engine.step()
             except Exception:
                 log.exception("engine step failed; aborting every request")
-                self._abort_all(HTTPError(500, "the engine failed while running this request; see the server log"))
+                self._abort_all(HTTPError(500, "the engine failed while running this request; "
+                                          "see the server log"))
                 continue
-            self.snapshot = self.engine.stats()  # before the deltas, so a finished client sees its blocks free
+            # before the deltas, so that a finished client sees its blocks free
+            self.snapshot = self.engine.stats()
             for req in done:
                 self._publish(self.choices[req.request_id])
             if self.live.viewers:
                 self.live.observe(done)
 
     def _take_inbox(self, block: bool) -> bool:
-        """Apply every pending add and abort (waiting for one when idle); False once asked to stop."""
+        """Apply every pending add and abort (waiting for one when idle); False once asked to
+        stop."""
         wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None  # viewers see an idle engine
         try:
             items = [self.inbox.get(timeout=wait)] if block else []
@@ -214,7 +222,8 @@ class EngineLoop(threading.Thread):
              choice: Choice) -> None:
         try:
             choice.request = self.engine.add_request(prompt_ids, params, request_id)
-        except Exception as e:  # validated already; whatever still fails is this request's problem alone
+        except Exception as e:
+            # validated already; whatever still fails is this request's problem alone
             self._unqueue(choice)
             error = HTTPError(400 if isinstance(e, ValueError) else 500, str(e))
             choice.events.put(ChoiceDelta(error=error))
@@ -227,7 +236,8 @@ class EngineLoop(threading.Thread):
             self._publish(choice, error)
 
     def _publish(self, choice: Choice, error: HTTPError | None = None) -> None:
-        """Send the text the request added since last time; at the end, its finish reason and usage."""
+        """Send the text the request added since last time; at the end, its finish reason and
+        usage."""
         req = choice.request
         text = stream_text(req)
         sent = choice.sent_tokens
@@ -255,8 +265,9 @@ class EngineLoop(threading.Thread):
         rebuffer = rebuffer_time(record.token_times, record.rate)
         self.metrics.finished(req.finish_reason, len(req.prompt_token_ids), record, rebuffer)
         ttft = f"{record.ttft:.3f}s" if record.token_times else "-"
-        log.info("%s %s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s", tag, req.request_id,
-                 len(req.prompt_token_ids), req.num_output_tokens, ttft, rebuffer, req.finish_reason)
+        log.info("%s %s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s", tag,
+                 req.request_id, len(req.prompt_token_ids), req.num_output_tokens, ttft, rebuffer,
+                 req.finish_reason)
 
 
 # ---------------------------------------------------------------- requests: OpenAI fields to engine inputs
@@ -390,22 +401,22 @@ class Reply:
             self.text_sent[index] += sum(map(len, shaped["tokens"]))
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
-    def chunk(self, event: ChoiceDelta, role: bool = False) -> dict:
+    def chunk(self, delta: ChoiceDelta, role: bool = False) -> dict:
         usage = {"usage": None} if self.include_usage else {}
-        text = {"content": event.text} if event.text else {}
-        delta = {"role": "assistant", "content": ""} if role else text
-        content = {"delta": delta} if self.chat else {"text": event.text}
-        choice = self._choice(event.index, event.finish_reason, event.logprobs or None, **content)
+        text = {"content": delta.text} if delta.text else {}
+        chat_delta = {"role": "assistant", "content": ""} if role else text
+        content = {"delta": chat_delta} if self.chat else {"text": delta.text}
+        choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
         return self._object([choice], **usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._object([], usage=usage)
 
-    def whole(self, events: list[ChoiceDelta], logprobs: bool, usage: dict) -> dict:
+    def whole(self, deltas: list[ChoiceDelta], logprobs: bool, usage: dict) -> dict:
         """Each choice from its deltas: text and logprobs joined, the last one's finish reason."""
         out = []
-        for i in range(len({e.index for e in events})):
-            mine = [e for e in events if e.index == i]
+        for i in range(len({e.index for e in deltas})):
+            mine = [e for e in deltas if e.index == i]
             text = "".join(e.text for e in mine)
             tokens = [t for e in mine for t in e.logprobs] if logprobs else None
             message = {"role": "assistant", "content": text}
@@ -614,28 +625,30 @@ class Handler(BaseHTTPRequestHandler):
                 for request_id in request_ids:  # frees it now if its client left
                     server.loop.abort(request_id)
 
-    def _stream(self, reply: Reply, events: Iterator[ChoiceDelta], num_prompt: int, params: list) -> None:
+    def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], num_prompt: int,
+                params: list) -> None:
         """Server-Sent Events as OpenAI sends them, one chunk per piece of text as soon as it exists."""
         self._start_events()
         if reply.chat:
             for i in range(len(params)):
                 self._sse(reply.chunk(ChoiceDelta(i), role=True))
         done = []
-        for event in events:
-            if event.error:
-                self._sse(event.error.body())
+        for delta in deltas:
+            if delta.error:
+                self._sse(delta.error.body())
                 break
-            if event.text or event.logprobs:
-                self._sse(reply.chunk(dataclasses.replace(event, finish_reason=None)))
-            if event.finish_reason:  # in a chunk of its own, as OpenAI sends it
-                self._sse(reply.chunk(ChoiceDelta(event.index, finish_reason=event.finish_reason)))
-                done.append(event)
+            if delta.text or delta.logprobs:
+                self._sse(reply.chunk(dataclasses.replace(delta, finish_reason=None)))
+            if delta.finish_reason:  # in a chunk of its own, as OpenAI sends it
+                self._sse(reply.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason)))
+                done.append(delta)
         if reply.include_usage and len(done) == len(params):
             self._sse(reply.usage_chunk(usage(num_prompt, done)))
         self.wfile.write(b"data: [DONE]\n\n")
 
-    def _answer(self, reply: Reply, events: Iterator[ChoiceDelta], num_prompt: int, params: list) -> None:
-        got = list(events)
+    def _answer(self, reply: Reply, deltas: Iterator[ChoiceDelta], num_prompt: int,
+                params: list) -> None:
+        got = list(deltas)
         if errors := [e.error for e in got if e.error]:
             raise errors[0]
         logprobs = params[0].logprobs is not None

@@ -11,7 +11,8 @@ The kernels take the per-layer cache views [num_blocks, block_size, kv_heads, he
 their strides: a view of the block-major pool is not contiguous, and copying it would defeat paging.
 """
 
-from __future__ import annotations  # kernel annotations (tl.constexpr) stay strings when triton is absent
+# kernel annotations (tl.constexpr) stay strings when triton is absent
+from __future__ import annotations
 
 import contextlib
 import math
@@ -27,7 +28,8 @@ try:  # the torch path needs no triton; the Triton backend says so when it is as
 except ImportError:
     triton = tl = None
 
-LOG2E = math.log2(math.e)  # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
+# kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
+LOG2E = math.log2(math.e)
 # Extend tiles: (query tokens per program, keys per loop step, warps). Each was compiled for
 # sm_80 to sm_90 (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no
 # register spills. fp32 dots run on FMA units with whole tiles in registers: small tiles (32 x 32
@@ -99,7 +101,8 @@ def _use_triton(device: torch.device) -> bool:
     if attention_backend(device) != "triton":
         return False
     if triton is None:
-        raise RuntimeError("the Triton attention backend needs triton: pip install triton, or set NANOFLOW_ATTN=torch")
+        raise RuntimeError("the Triton attention backend needs triton: pip install triton, or "
+                           "set NANOFLOW_ATTN=torch")
     return True
 
 
@@ -119,16 +122,20 @@ def _interpreting() -> bool:
 
 
 def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
-    """(block, slot, head) strides shared by the two cache views; head_dim must be the contiguous one."""
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K/V caches must be views of one pool"
+    """(block, slot, head) strides shared by the two cache views; head_dim must be the contiguous
+    one."""
+    same_pool = k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert same_pool, "K/V caches must be views of one pool"
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
 # ---------------------------------------------------------------- store KV
 
 
-def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write new K/V [num_tokens, kv_heads, head_dim] into cache views [num_blocks, block_size, kv_heads, head_dim]."""
+def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
+    """Write new K/V [num_tokens, kv_heads, head_dim] into cache views [num_blocks, block_size,
+    kv_heads, head_dim]."""
     block_size = k_cache.shape[1]
     real = slot_mapping >= 0
     blocks, offsets = slot_mapping[real] // block_size, slot_mapping[real] % block_size
@@ -138,11 +145,13 @@ def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
 
 @_jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_t, stride_h,
-                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     # One program copies one new token's K and V (all KV heads) into its slot of the pool.
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)  # int64: block offsets can pass 2**31 elements in a big pool
+    # int64: block offsets can pass 2**31 elements in a big pool
+    slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
         return  # a padding row of a CUDA graph's batch
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -154,12 +163,15 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
 
 
-def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    slot_mapping: Tensor) -> None:
     """store_kv_ref's contract, one program per new token."""
     num_tokens, kv_heads, head_dim = k.shape
-    assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share strides, head_dim contiguous"
+    same_strides = k.stride() == v.stride() and k.stride(2) == 1
+    assert same_strides, "k and v must share strides, head_dim contiguous"
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), *_cache_strides(k_cache, v_cache),
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+        *_cache_strides(k_cache, v_cache),
         **store_kv_config(k_cache.shape[1], kv_heads, head_dim))
 
 
@@ -178,23 +190,25 @@ def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor
     num_blocks = cdiv(max_len, block_size)
     ids = block_tables[:, :num_blocks].reshape(-1).long()
     gathered = torch.index_select(cache, 0, ids)  # much faster on CPU than advanced indexing
-    return gathered.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :max_len]
+    seqs = gathered.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])
+    return seqs[:, :max_len]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Grouped-query attention in fp32 (torch's fused SDPA; K/V heads are shared, not repeated).
 
-    q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True = may attend) -> [b, n, heads, d].
+    q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True = may attend)
+    -> [b, n, heads, d].
     """
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
-                                                           enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
     return out.transpose(1, 2).to(q.dtype)
 
 
 @_jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d, stride_cb, stride_cs,
-                  stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d, stride_cb,
+                  stride_cs, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """K and V [len(pos), len(d)] of one KV head at token positions pos (0 outside in_range)."""
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     offsets = (block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs
@@ -215,7 +229,8 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @_jit
 def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
-    """Fold one tile of keys/values [BLOCK_N, BLOCK_D] into each query row's running max, sum and output.
+    """Fold one tile of keys/values [BLOCK_N, BLOCK_D] into each query row's running max, sum and
+    output.
 
     Every row must have an allowed key in its first tile, so that m_i is finite from then on.
     """
@@ -230,8 +245,8 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST: tl.c
 # ---------------------------------------------------------------- decode attention
 
 
-def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                         max_seq_len: int, scale: float) -> Tensor:
+def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                         seq_lens: Tensor, max_seq_len: int, scale: float) -> Tensor:
     """One query token per sequence: q [num_seqs, heads, d] -> [num_seqs, heads, d]."""
     k = _gather_context(k_cache, block_tables, max_seq_len)
     v = _gather_context(v_cache, block_tables, max_seq_len)
@@ -240,13 +255,15 @@ def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
 
 
 @_jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-                         qk_scale, split_len, stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                         part_out_ptr, part_lse_ptr, qk_scale, split_len, stride_qt, stride_qh,
+                         stride_bt, stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    # One program: the GROUP query heads that share KV head `kv_head`, of decode sequence `seq`, attending to
-    # the tokens [split * split_len, (split + 1) * split_len) of its context. Writes their normalized partial
-    # outputs and log2-sum-exp2 for the merge kernel. Rows past GROUP pad the group up to tl.dot's 16.
+    # One program: the GROUP query heads that share KV head `kv_head`, of decode sequence `seq`,
+    # attending to the tokens [split * split_len, (split + 1) * split_len) of its context. Writes
+    # their normalized partial outputs and log2-sum-exp2 for the merge kernel. Rows past GROUP pad
+    # the group up to tl.dot's 16.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
@@ -257,7 +274,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
+                other=0.0)
     table_ptr = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -267,16 +285,20 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         in_range = pos < end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d,
                              stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, in_range[None, :], m_i, l_i, acc, qk_scale, UPCAST)
-    part = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [seq, head, split]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, in_range[None, :], m_i, l_i, acc, qk_scale,
+                                             UPCAST)
+    # [seq, head, split]
+    part = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g < GROUP)
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=q_mask)
 
 
 @_jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_len, num_splits,
-                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program: one query head of one decode sequence, its splits' outputs weighted by exp2(lse - max lse).
+                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    # One program: one query head of one decode sequence, its splits' outputs weighted by
+    # exp2(lse - max lse).
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -284,10 +306,11 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
     part = (seq * tl.num_programs(1) + head) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :],
-                other=0.0)
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
@@ -297,14 +320,15 @@ def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
     return cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 
-def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                            max_seq_len: int, scale: float) -> Tensor:
+def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                            seq_lens: Tensor, max_seq_len: int, scale: float) -> Tensor:
     """Flash-decoding: attend over splits of each context in parallel, then merge the splits."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     split_len = _decode_split_len(num_seqs, kv_heads, max_seq_len)
     num_splits = cdiv(max_seq_len, split_len)
-    part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E, split_len,
@@ -351,13 +375,14 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attn
 
 
 @_jit
-def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                   qk_scale, first_seq, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                   stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one sequence's chunk, one query
-    # head, attending causally to the sequence's cached prefix and the chunk (all in the cache, via its block table).
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+                   query_start_loc_ptr, qk_scale, first_seq, stride_qt, stride_qh, stride_ot,
+                   stride_oh, stride_bt, stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one sequence's
+    # chunk, one query head, attending causally to the sequence's cached prefix and the chunk (all
+    # in the cache, via its block table).
     m_block, head, seq = tl.program_id(0), tl.program_id(1), first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -368,13 +393,15 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, s
     q_pos = seq_len - q_len + m  # position of each query token in its sequence
     d = tl.arange(0, BLOCK_D)
     q_mask = (m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)
     kv_head = head // GROUP
     table_ptr = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)  # one past this block's last query
+    # one past this block's last query
+    end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
@@ -396,7 +423,8 @@ def extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
     num_m_blocks = cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"])
     grid = (num_m_blocks, heads, len(meta.query_lens) - nd)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2E, nd,
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * LOG2E, nd,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         *_cache_strides(k_cache, v_cache), **config)
 

@@ -52,7 +52,7 @@ class EngineConfig:
     serve.py and bench.py (`add_flags`)."""
 
     device: str | None = knob(None, "cuda, cuda:1 or cpu (default: cuda when available)")
-    dtype: str | torch.dtype | None = knob(
+    dtype: str | torch.dtype = knob(
         "auto", "float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU (else "
         "bfloat16), nanoflow.model.CPU_DTYPE on CPU")
     block_size: int = knob(16, "tokens per KV block", type=int)

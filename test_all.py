@@ -19,6 +19,7 @@ import threading
 import time
 import types
 import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -800,13 +801,22 @@ def test_triton_engine_matches_torch(tiny, monkeypatch):
 
 
 def check_pools(engine) -> None:
-    """Accounting never lies: free + used == total in both pools, and no block has two owners."""
+    """Accounting never lies, in both pools: each block's reference count is the number of tables that
+    hold it; free + referenced + cached + pending == total; no block is both free and referenced; a
+    cached block's hash names it."""
     s = engine.scheduler
     reqs = s.running + list(s.waiting)
-    for pool, tables in [(engine.kv, [r.block_table for r in reqs]), (s.swapper.host, [r.host_block_table for r in reqs])]:
-        held = [b for t in tables for b in t] + [b for _, blocks in pool.pending_free for b in blocks]
-        assert len(held) == len(set(held)), "a block has two owners"
-        assert pool.num_free + len(held) == pool.num_blocks
+    pools = [(engine.kv, [r.block_table for r in reqs])]
+    if s.swapper:
+        pools.append((s.swapper.host, [r.host_block_table for r in reqs]))
+    for pool, tables in pools:
+        refs = Counter(b for t in tables for b in t)
+        pending = [b for _, blocks in pool.pending_free for b in blocks]
+        assert all(pool.ref_cnt[b] == refs[b] for b in range(pool.num_blocks))
+        assert not refs.keys() & (set(pool.free_blocks) | set(pool.evictable) | set(pending))
+        assert len(pool.free_blocks) + len(refs) + len(pool.evictable) + len(pending) == pool.num_blocks
+        assert len(pool.cached) == len(pool.block_hash)
+        assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
 
 
 def run_checked(llm: LLM, prompts, params):

@@ -905,6 +905,109 @@ def test_host_pool_too_small_falls_back_to_recompute(tiny):
     assert llm.stats()["resumes_recompute"] > 0
 
 
+# ---------------------------------------------------------------- prefix caching
+
+
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    """Prompts sharing a prefix of 0 to 70 tokens (block-aligned and not), a repeat, and a prompt that is
+    exactly a cached run of blocks (its last block must still be computed, for the logits)."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, TINY["vocab_size"]) for _ in range(70)]
+    tails = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    prompts = [base[:k] + t for k, t in zip((70, 0, 16, 20, 32, 45), tails)]
+    return prompts + [prompts[0], base[:32]]
+
+
+def computed_tokens(llm: LLM) -> Counter:
+    """Counts the tokens each request computes, by wrapping the engine's forward."""
+    counts, real_run = Counter(), llm.engine.run
+
+    def run(scheduled, samplers):
+        counts.update({req.request_id: n for req, n in scheduled})
+        return real_run(scheduled, samplers)
+
+    llm.engine.run = run
+    return counts
+
+
+@pytest.mark.parametrize("resume", ["load", "recompute"])
+def test_prefix_caching_gives_identical_tokens(tiny, resume):
+    """Shared prefixes of every kind, under forced preemption; the pools are checked after every step.
+    The second round finds every prompt's blocks cached."""
+    path, _ = tiny
+    prompts = shared_prefix_prompts(seed=20)
+    off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    expected = [o.token_ids for o in off.generate(prompts, GREEDY)]
+    assert off.stats()["prefix_hit_tokens"] == 0
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+              policy=Forced(3, resume))
+    for _ in range(2):
+        tokens, points = run_checked(llm, prompts, GREEDY)
+        assert tokens == expected and points
+    stats = llm.stats()
+    most = sum((len(p) - 1) // 16 * 16 for p in prompts)  # the second round's bound
+    assert most < stats["prefix_hit_tokens"] and stats["prefix_queried_tokens"] >= 2 * sum(map(len, prompts))
+
+
+def test_second_turn_computes_only_its_new_tokens(tiny):
+    """The second turn resends the conversation: only what the first did not compute is computed."""
+    path, _ = tiny
+    first, new = shared_prefix_prompts(seed=21)[:2]
+    llm = LLM(path, device="cpu", num_kv_blocks=64)
+    reply = llm.generate(first, GREEDY)[0].token_ids
+    second = first + reply + new
+    counts = computed_tokens(llm)
+    out = llm.generate(second, GREEDY)[0]
+    off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    assert out.token_ids == off.generate(second, GREEDY)[0].token_ids
+    # the first turn computed its prompt and all but its last reply token: their full blocks are cached
+    hit = (len(first) + len(reply) - 1) // 16 * 16
+    assert hit >= len(first) and llm.stats()["prefix_hit_tokens"] == hit
+    assert counts[out.request_id] == len(second) - hit + GREEDY.max_tokens - 1
+    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
+
+
+def test_abort_of_a_request_sharing_blocks_leaves_the_others_intact(tiny):
+    path, _ = tiny
+    prompts = shared_prefix_prompts(seed=22)[:1] * 3
+    expected = LLM(path, device="cpu", num_kv_blocks=64).generate(prompts[0], GREEDY)[0].token_ids
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=100, host_kv_gb=0.01)
+    engine = llm.engine
+    reqs = [engine.add_request(prompts[0], GREEDY)]
+    engine.step()
+    reqs += [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    engine.step()
+    shared = set(reqs[0].block_table) & set(reqs[1].block_table) & set(reqs[2].block_table)
+    assert len(shared) == (len(prompts[0]) - 1) // 16
+    engine.abort(reqs[0].request_id)
+    engine.abort(reqs[2].request_id)
+    check_pools(engine)
+    assert all(engine.kv.ref_cnt[b] == 1 for b in shared)
+    while engine.has_unfinished():
+        engine.step()
+        check_pools(engine)
+    assert reqs[1].output_token_ids == expected and engine.kv.num_free == engine.kv.num_blocks
+
+
+def test_kv_pool_evicts_cached_blocks_least_recently_used_and_tail_first():
+    pool = KVPool(6, 1, 4, 1, 8, torch.float32, torch.device("cpu"))
+    a, b = [], []
+    pool.grow(a, 12)
+    pool.grow(b, 8)
+    pool.cache_blocks(a, [1, 2, 3])
+    pool.cache_blocks(b, [1, 5])  # hash 1 is cached already: b's first block stays anonymous
+    first_a, first_b = list(a), list(b)
+    pool.free(b)
+    pool.free(a)
+    assert pool.num_free == 6 and len(pool.evictable) == 4 and len(pool.free_blocks) == 2
+    assert pool.match_prefix([1, 2, 9]) == first_a[:2] and pool.ref_cnt[first_a[0]] == 1
+    c = []
+    pool.grow(c, 12)  # the two free blocks, then the least recently used cached one: b's, not a's tail
+    assert first_b[1] in c and first_a[2] not in c and pool.cached.keys() == {1, 2, 3}
+    pool.grow(c, 16)  # then a's tail before its head (which is referenced anyway)
+    assert first_a[2] in c and pool.cached.keys() == {1, 2}
+
+
 def test_abort_while_preempted_or_loading_frees_everything(tiny):
     path, _ = tiny
     llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(10**9, "load"))

@@ -967,6 +967,31 @@ def test_second_turn_computes_only_its_new_tokens(tiny):
     assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
 
 
+def test_second_turn_loads_an_evicted_prefix_from_host(tiny):
+    """The first turn's blocks were written through to host; other prompts then push them out of the
+    device's cache. The second turn loads them back instead of recomputing them."""
+    path, _ = tiny
+    first, new = shared_prefix_prompts(seed=23)[:2]
+    llm = LLM(path, device="cpu", num_kv_blocks=12, host_kv_gb=0.01, policy=Forced(10**9, "load"))
+    reply = llm.generate(first, GREEDY)[0].token_ids
+    for filler in random_prompts(2, TINY["vocab_size"], seed=24, lengths=(150, 150)):
+        llm.generate(filler, GREEDY)
+    second = first + reply + new
+    counts = computed_tokens(llm)
+    before = llm.stats()
+    out = llm.generate(second, GREEDY)[0]
+    off = LLM(path, device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    assert out.token_ids == off.generate(second, GREEDY)[0].token_ids
+    hit = (len(first) + len(reply) - 1) // 16 * 16
+    stats = llm.stats()
+    assert stats["prefix_hit_tokens"] == before["prefix_hit_tokens"]  # nothing left on the device
+    assert stats["prefix_host_hit_tokens"] - before["prefix_host_hit_tokens"] == hit
+    assert counts[out.request_id] == len(second) - hit + GREEDY.max_tokens - 1
+    assert stats["bytes_to_device"] - before["bytes_to_device"] == hit // 16 * llm.engine.kv.bytes_per_block
+    llm.engine.scheduler.swapper.complete_all()
+    check_pools(llm.engine)
+
+
 def test_abort_of_a_request_sharing_blocks_leaves_the_others_intact(tiny):
     path, _ = tiny
     prompts = shared_prefix_prompts(seed=22)[:1] * 3

@@ -335,13 +335,24 @@ class Scheduler:
         self.counters["resumes_recompute"] += 1
 
     def _match_prefix(self, req: Request) -> None:
-        """Start req after the longest run of its full blocks that the pool has cached; its last token is
-        always computed, for the logits."""
-        blocks = self.kv.match_prefix(self.hashes(req, (req.num_tokens - 1) // self.kv.block_size))
+        """Start req after the longest run of its full blocks cached on the device, then on host (loaded
+        when the copy is estimated faster than recomputing it); its last token is always computed, for
+        the logits."""
+        bs = self.kv.block_size
+        hashes = self.hashes(req, (req.num_tokens - 1) // bs)
+        blocks = self.kv.match_prefix(hashes)
         req.block_table, req.num_cached_blocks = blocks, len(blocks)
-        req.num_computed_tokens = len(blocks) * self.kv.block_size
+        req.num_computed_tokens = len(blocks) * bs
         self.counters["prefix_queried_tokens"] += req.num_tokens
         self.counters["prefix_hit_tokens"] += req.num_computed_tokens
+        if self.swapper:
+            loaded_blocks = self.swapper.load_prefix(req, hashes[len(blocks):], self.load_beats_recompute)
+            self.counters["prefix_host_hit_tokens"] += loaded_blocks * bs
+
+    def load_beats_recompute(self, num_tokens: int) -> bool:
+        """Is copying this much KV from host (behind the queued copies) estimated faster than recomputing it?"""
+        load = self.swapper.backlog() + self.swapper.transfer_time(cdiv(num_tokens, self.kv.block_size))
+        return load <= num_tokens / self.rates.prefill_rate
 
     def hashes(self, req: Request, num_blocks: int) -> list[int]:
         """The chained hashes of req's first num_blocks full blocks (computed once per block)."""
@@ -391,7 +402,7 @@ class Scheduler:
         """Learn from the step just run; the policy may copy freshly filled blocks to host."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
         if self.enable_prefix_caching:
-            for req in self.running:
+            for req in filter(loaded, self.running):  # blocks still being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
 
@@ -699,8 +710,7 @@ class TokenFlow(FCFS):
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
         """Load when the copy (behind the queued ones) is estimated faster than recomputing."""
-        load = s.swapper.backlog() + s.swapper.transfer_time(cdiv(req.num_host_tokens, s.kv.block_size))
-        return load <= req.num_host_tokens / s.rates.prefill_rate
+        return s.load_beats_recompute(req.num_host_tokens)
 
     def after_step(self, s: Scheduler) -> None:
         """Write newly filled blocks through to host, largest buffers first, while a preemption may come."""

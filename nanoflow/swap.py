@@ -3,7 +3,9 @@
 A host pool in CPU memory (pinned on CUDA) has the same block layout as the device pool (kv.py).
 After every step, blocks that running requests have just filled are written through to it, so when
 the scheduler preempts a request (sched.py) only its unsynced tail has to be copied before its
-device blocks are free; resuming it is a load of its blocks back into fresh device blocks.
+device blocks are free; resuming it is a load of its blocks back into fresh device blocks. Full
+blocks keep their prefix-cache hashes (kv.py) on host, so the host pool is a second cache tier: a
+prefix the device has dropped comes back by a copy instead of a recompute.
 
 On CUDA the copies run on a side stream: scattered device blocks are gathered into a contiguous
 device staging buffer, copied to pinned host memory in one DMA, then scattered into the host pool
@@ -75,6 +77,7 @@ class Swapper:
                 return  # host pool full: eviction will copy (or recompute) instead
             self._to_host(req.block_table[start:start + n], req.host_block_table[start:start + n])
             req.num_host_tokens = (start + n) * bs
+            self._name_host_blocks(req, start)
             self.counters["blocks_written_through"] += n
             max_blocks -= n
             if max_blocks == 0:
@@ -88,6 +91,7 @@ class Swapper:
         start, end = req.num_host_tokens // bs, cdiv(req.num_computed_tokens, bs)
         self._to_host(req.block_table[start:end], req.host_block_table[start:end])
         req.num_host_tokens = req.num_computed_tokens
+        self._name_host_blocks(req, start)
         self.device.free(req.block_table, after=self.pending_event())
         return True
 
@@ -101,6 +105,25 @@ class Swapper:
         req.load_event = self._to_device(req.host_block_table[:n], req.block_table[:n])
         req.num_computed_tokens = req.num_host_tokens
         return True
+
+    def load_prefix(self, req, hashes: list[int], worth: Callable[[int], bool]) -> int:
+        """Extend req's device KV by the leading blocks of `hashes` that the host pool has cached, when
+        worth(their number of tokens) says the copy pays; returns the number of blocks loaded."""
+        host_blocks, bs = self.host.match_prefix(hashes), self.device.block_size
+        n = len(host_blocks)
+        loads = n > 0 and worth(n * bs) and self.device.grow(req.block_table, (len(req.block_table) + n) * bs)
+        if loads:
+            while self.in_flight:  # their blocks may still be on their way to host
+                self._finish_oldest()
+            req.load_event = self._to_device(host_blocks, req.block_table[-n:])
+            req.num_computed_tokens += n * bs
+        self.host.free(host_blocks, after=self.pending_event())
+        return n if loads else 0
+
+    def _name_host_blocks(self, req, start: int) -> None:
+        """The full blocks just copied to host keep the hashes that name them on the device."""
+        full = req.num_host_tokens // self.device.block_size
+        self.host.cache_blocks(req.host_block_table[start:full], req.block_hashes[start:full])
 
     def forget(self, req) -> None:
         """Drop req's host copy (it finished, was aborted, or will be recomputed)."""

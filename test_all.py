@@ -1069,8 +1069,8 @@ def test_swap_round_trip_across_staging_chunks(monkeypatch):
     for pool in (device, host):
         pool.kv_cache.copy_(torch.randn(pool.kv_cache.shape))
         rng.shuffle(pool.free_blocks)  # blocks far apart and out of order on both sides
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0, num_computed_tokens=43,
-                                load_event=None)
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
+                                num_computed_tokens=43, load_event=None)
     assert device.grow(req.block_table, 43)  # 11 blocks, the last one partly filled
     kv = device.kv_cache[req.block_table].clone()
     host_before = host.kv_cache.clone()
@@ -1094,7 +1094,7 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
     shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
     device, host = KVPool(8, *shape), KVPool(8, *shape, host=True)
     swapper = Swapper(device, host)
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0,
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
                                 num_computed_tokens=20)
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)

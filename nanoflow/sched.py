@@ -405,6 +405,11 @@ class Scheduler:
             for req in filter(loaded, self.running):  # blocks still being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
+        if self.enable_prefix_caching and self.swapper and self.swapper.async_copies and \
+                self.swapper.backlog() < self.step_time():
+            # the host pool is the cache's second tier: fill it with what the link carries beside compute
+            link_blocks = int(self.step_time() * self.swapper.bandwidth / self.kv.bytes_per_block)
+            self.swapper.write_through(self.running, max(1, link_blocks))
 
 
 def loaded(req: Request) -> bool:

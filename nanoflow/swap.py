@@ -66,10 +66,15 @@ class Swapper:
     # ------------------------------------------------------------ what the scheduler calls
 
     def write_through(self, reqs: list, max_blocks: int) -> None:
-        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host."""
+        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host; those
+        whose hashes the host pool has cached already are shared, not copied."""
         bs = self.device.block_size
         for req in reqs:
             start, end = req.num_host_tokens // bs, min(req.num_computed_tokens // bs, len(req.block_table))
+            if len(req.host_block_table) == start:
+                req.host_block_table += self.host.match_prefix(req.block_hashes[start:end])
+                start = len(req.host_block_table)
+                req.num_host_tokens = start * bs
             n = min(end - start, max_blocks)
             if n <= 0:
                 continue

@@ -1923,8 +1923,37 @@ from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
 
 
 def sim_engine(*args, **kwargs):
-    """A simulated engine whose runs repeat exactly: the scheduler's own time is not charged."""
+    """A simulated engine whose runs repeat exactly: the scheduler's own time is not charged. Without
+    prefix caching unless asked: these scenarios' prompts ([1] * n) stand for distinct requests."""
+    kwargs.setdefault("enable_prefix_caching", False)
     return build_engine(*args, charge_scheduler=False, **kwargs)
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+def test_simulator_serves_a_second_turn_from_the_device_or_the_host_tier(evicted):
+    """The same two tiers on the virtual clock: a second turn finds the first on the device, or, once
+    other prompts pushed it out of the device pool, on host (written through while the link was idle)."""
+    engine = sim_engine("cpu-smollm2", "fcfs", num_kv_blocks=32, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    def run(prompt: list[int]) -> Request:
+        req = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+            check_pools(engine)
+        return req
+
+    first = run(list(range(100, 200)))
+    for i in range(2 if evicted else 0):
+        run([1000 + i] * 400)  # 26 of the 32 device blocks each
+    before = engine.stats()
+    second = run(first.token_ids + [7] * 10)
+    hit = (first.num_tokens - 1) // 16 * 16
+    stats = engine.stats()
+    tier = "prefix_host_hit_tokens" if evicted else "prefix_hit_tokens"
+    other = "prefix_hit_tokens" if evicted else "prefix_host_hit_tokens"
+    assert stats[tier] - before[tier] == hit and stats[other] == before[other]
+    assert second.num_output_tokens == 20 and engine.kv.num_free == engine.kv.num_blocks
 
 
 def test_metrics_by_hand():

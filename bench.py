@@ -44,9 +44,10 @@ from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: Efficient Generative "
                 "LLM Inference Using Phase Splitting\", ISCA 2024")
-MOONCAKE_CREDIT = ("Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: Trading More Storage "
-                   "for Less Computation\", FAST 2025")
+MOONCAKE_CREDIT = ("Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: "
+                   "Trading More Storage for Less Computation\", FAST 2025")
 TRACE_BLOCK = 512  # tokens behind each of a Mooncake trace's hash ids
+REAL_HOST_KV_GB = 4.0  # the real engine's host pool unless --host-kv-gb: LLM's default
 PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60% at 20
 DEMAND_SHARE = 0.7  # auto rates: the readers' peak total demand takes this share of the measured capacity
 SPEED_SHARE = 0.5  # auto rates: the fastest reader reads at most half as fast as a running request decodes
@@ -75,7 +76,7 @@ class Workload:
     rate: list[float]  # tokens/s of each request's reader
     seed: int
     source: str
-    block_ids: list[list[int]] | None = None  # a Mooncake trace's: equal ids, equal 512-token blocks
+    block_ids: list[list[int]] | None = None  # a Mooncake trace's: equal ids, equal blocks
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -108,8 +109,8 @@ def trace_block(block_id: int) -> bytes:
 
 
 def read_trace(path: str, time_scale: float) -> list[tuple]:
-    """Rows of (arrival_s, prompt_tokens, output_tokens, hash ids or None) from a CSV of those columns
-    or a Mooncake JSONL (optionally gzipped), sorted by arrival."""
+    """Rows of (arrival_s, prompt_tokens, output_tokens, hash ids or None), sorted by arrival,
+    from a CSV of those columns or a Mooncake JSONL (optionally gzipped)."""
     if ".jsonl" in path:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
             rows = [(r["timestamp"] / 1e3, r["input_length"], r["output_length"], r["hash_ids"])
@@ -170,7 +171,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
-    return Workload(arrival, prompts, outputs, [clamp_read_rate(r) for r in rates], args.seed, source, block_ids)
+    rates = [clamp_read_rate(r) for r in rates]
+    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids)
 
 
 # ---------------------------------------------------------------- readers: `--read-rate auto`
@@ -376,7 +378,8 @@ def engine_factory(args: argparse.Namespace, w: Workload):
                                  enable_prefix_caching=args.enable_prefix_caching)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
     options = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                   num_kv_blocks=blocks, host_kv_gb=4.0 if args.host_kv_gb is None else args.host_kv_gb,
+                   num_kv_blocks=blocks,
+                   host_kv_gb=REAL_HOST_KV_GB if args.host_kv_gb is None else args.host_kv_gb,
                    block_size=BLOCK_SIZE, enable_prefix_caching=args.enable_prefix_caching,
                    max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -397,7 +400,8 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
         probe = drive(engine, probe_workload(w, blocks, step_tokens).clamped(context), "warm-up")
         if not runs:
             speed, capacity = decode_rates(probe.records)
-            info.update(kv_blocks=blocks, host_blocks=engine.stats()["host_blocks_total"], probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
+            info.update(host_blocks=engine.stats()["host_blocks_total"])
+            info.update(kv_blocks=blocks, probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
                         rates=f"{args.read_rate} (as given)")
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity)
@@ -435,7 +439,8 @@ def cell(s: dict, key: str, fmt: str) -> str:
         return f"{s['preemptions']} ({s['resumes_load']}/{s['resumes_recompute']})"
     if key == "prefix":
         queried = max(1, s["prefix_queried_tokens"])
-        return f"{s['prefix_hit_tokens'] / queried:.1%} + {s['prefix_host_hit_tokens'] / queried:.1%}"
+        device, host = s["prefix_hit_tokens"] / queried, s["prefix_host_hit_tokens"] / queried
+        return f"{device:.1%} + {host:.1%}"
     return fmt.format(s[key])
 
 
@@ -916,8 +921,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
         f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
         "else all memory)")
-    add("--host-kv-gb", type=float, help="host memory (GiB) for swapped-out and cached KV (default: 4; "
-        "--simulate: the preset's)")
+    add("--host-kv-gb", type=float, help="host memory (GiB) for swapped-out and cached KV "
+        f"(default: {REAL_HOST_KV_GB}; --simulate: the preset's)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV of prompt prefixes computed before (default: on)")
     add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default: %(default)s)")
@@ -979,8 +984,9 @@ def serving_bench(args: argparse.Namespace) -> None:
     if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
         ids = [b[:cdiv(p, TRACE_BLOCK)] for b, p in zip(w.block_ids, w.prompt_len)]
         capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // TRACE_BLOCK
-        print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of {TRACE_BLOCK}): "
-              f"{lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: {lru_hit_rate(ids, 1 << 62):.1%}")
+        print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
+              f"{TRACE_BLOCK}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
+              f"{lru_hit_rate(ids, math.inf):.1%}")
     print(f"engine: {info['engine']}")
     if "kv_blocks" in info:
         print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold {info['probe_batch']} of the "

@@ -99,10 +99,13 @@ class Engine:
         host = swapper.host if swapper else None
         return {"preemptions": 0, "resumes_load": 0, "resumes_recompute": 0, "bytes_to_host": 0,
                 "bytes_to_device": 0, "blocks_written_through": 0, "prefix_queried_tokens": 0,
-                "prefix_hit_tokens": 0, "prefix_host_hit_tokens": 0, **s.counters, **(swapper.counters if swapper else {}),
+                "prefix_hit_tokens": 0, "prefix_host_hit_tokens": 0,
+                **s.counters, **(swapper.counters if swapper else {}),
                 "running": len(s.running), "waiting": len(s.waiting),
                 "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
-                "device_blocks_free": self.kv.num_free, "device_blocks_total": self.kv.num_blocks,
+                "device_blocks_free": self.kv.num_free,
+                "device_blocks_cached": len(self.kv.evictable),
+                "device_blocks_total": self.kv.num_blocks,
                 "host_blocks_free": host.num_free if host else 0, "host_blocks_total": host.num_blocks if host else 0}
 
     def step(self) -> list[Request]:
@@ -274,8 +277,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
                  read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
                  max_model_len: int | None = None,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = False,
-                 enable_prefix_caching: bool = True):
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                 enforce_eager: bool = False, enable_prefix_caching: bool = True):
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -294,8 +297,8 @@ class LLM:
         num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
         swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
             if num_host_blocks else None
-        scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper,
-                              tokenflow, enable_prefix_caching)
+        scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy,
+                              swapper, tokenflow, enable_prefix_caching)
         self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len, enforce_eager)
 
     def stats(self) -> dict[str, int]:

@@ -27,8 +27,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVPool:
-    """KV memory and its block allocator. Invariant: free + referenced + cached + pending == num_blocks,
-    where cached blocks (full, hashed, referenced by nobody) count as free: they are taken last.
+    """KV memory and its block allocator. Invariant: free + referenced + cached + pending ==
+    num_blocks, where cached blocks (full, hashed, referenced by nobody) count as free: they are
+    taken last.
 
     The device pool lives on the GPU; the host pool (swap.py) is the same class in CPU memory,
     pinned when the device is CUDA. A block freed while a transfer may still read or write it waits
@@ -103,11 +104,9 @@ class KVPool:
         """Drop the table's references; blocks nobody holds any more return to the pool, at once or
         once the transfer that `after` marks has completed. The tail goes first, so that the LRU
         evicts a prefix's last blocks before its first."""
-        released = []
-        for block in reversed(block_table):
+        for block in block_table:
             self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                released.append(block)
+        released = [block for block in reversed(block_table) if self.ref_cnt[block] == 0]
         if after is None:
             self._release(released)
         elif released:
@@ -126,7 +125,8 @@ class KVPool:
         return sum(self.ref_cnt[b] == 1 for b in block_table)
 
     def match_prefix(self, hashes: list[int]) -> list[int]:
-        """The cached blocks of the longest leading run of these hashes, each referenced once more."""
+        """The cached blocks of the longest leading run of these hashes, each now referenced once
+        more."""
         blocks = []
         for h in hashes:
             block = self.cached.get(h)

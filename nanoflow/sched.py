@@ -335,9 +335,9 @@ class Scheduler:
         self.counters["resumes_recompute"] += 1
 
     def _match_prefix(self, req: Request) -> None:
-        """Start req after the longest run of its full blocks cached on the device, then on host (loaded
-        when the copy is estimated faster than recomputing it); its last token is always computed, for
-        the logits."""
+        """Start req after the longest run of its full blocks cached on the device, then on host
+        (loaded when the copy is estimated faster than recomputing it); its last token is always
+        computed, for the logits."""
         bs = self.kv.block_size
         hashes = self.hashes(req, (req.num_tokens - 1) // bs)
         blocks = self.kv.match_prefix(hashes)
@@ -346,13 +346,15 @@ class Scheduler:
         self.counters["prefix_queried_tokens"] += req.num_tokens
         self.counters["prefix_hit_tokens"] += req.num_computed_tokens
         if self.swapper:
-            loaded_blocks = self.swapper.load_prefix(req, hashes[len(blocks):], self.load_beats_recompute)
+            rest = hashes[len(blocks):]
+            loaded_blocks = self.swapper.load_prefix(req, rest, self.load_beats_recompute)
             self.counters["prefix_host_hit_tokens"] += loaded_blocks * bs
 
     def load_beats_recompute(self, num_tokens: int) -> bool:
-        """Is copying this much KV from host (behind the queued copies) estimated faster than recomputing it?"""
-        load = self.swapper.backlog() + self.swapper.transfer_time(cdiv(num_tokens, self.kv.block_size))
-        return load <= num_tokens / self.rates.prefill_rate
+        """Is copying this much KV from host (behind the queued copies) estimated faster than
+        recomputing it?"""
+        load = self.swapper.transfer_time(cdiv(num_tokens, self.kv.block_size))
+        return self.swapper.backlog() + load <= num_tokens / self.rates.prefill_rate
 
     def hashes(self, req: Request, num_blocks: int) -> list[int]:
         """The chained hashes of req's first num_blocks full blocks (computed once per block)."""
@@ -363,7 +365,7 @@ class Scheduler:
         return req.block_hashes[:num_blocks]
 
     def _cache_full_blocks(self, req: Request) -> None:
-        """Name the blocks req has filled since the last step, so that later prompts can share them."""
+        """Name the blocks req has filled since the last step: later prompts can share them."""
         full = min(req.num_computed_tokens // self.kv.block_size, len(req.block_table))
         if full > req.num_cached_blocks:
             start = req.num_cached_blocks
@@ -382,8 +384,7 @@ class Scheduler:
         self.running.remove(req)
         if not (self.policy.evicts_to_host and self.swapper and self.swapper.evict(req)):
             self._drop_kv(req)
-        req.num_computed_tokens = 0
-        req.num_cached_blocks = 0
+        req.num_computed_tokens = req.num_cached_blocks = 0
         req.num_preemptions += 1
         self.counters["preemptions"] += 1
         req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
@@ -407,7 +408,7 @@ class Scheduler:
         self.policy.after_step(self)
         if self.enable_prefix_caching and self.swapper and self.swapper.async_copies and \
                 self.swapper.backlog() < self.step_time():
-            # the host pool is the cache's second tier: fill it with what the link carries beside compute
+            # the host pool is the cache's second tier: fill it while the link is idle
             link_blocks = int(self.step_time() * self.swapper.bandwidth / self.kv.bytes_per_block)
             self.swapper.write_through(self.running, max(1, link_blocks))
 

@@ -66,8 +66,8 @@ class Swapper:
     # ------------------------------------------------------------ what the scheduler calls
 
     def write_through(self, reqs: list, max_blocks: int) -> None:
-        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host; those
-        whose hashes the host pool has cached already are shared, not copied."""
+        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host;
+        those whose hashes the host pool has cached already are shared, not copied."""
         bs = self.device.block_size
         for req in reqs:
             start, end = req.num_host_tokens // bs, min(req.num_computed_tokens // bs, len(req.block_table))
@@ -78,11 +78,8 @@ class Swapper:
             n = min(end - start, max_blocks)
             if n <= 0:
                 continue
-            if not self.host.grow(req.host_block_table, (start + n) * bs):
+            if not self._copy_out(req, start, (start + n) * bs):
                 return  # host pool full: eviction will copy (or recompute) instead
-            self._to_host(req.block_table[start:start + n], req.host_block_table[start:start + n])
-            req.num_host_tokens = (start + n) * bs
-            self._name_host_blocks(req, start)
             self.counters["blocks_written_through"] += n
             max_blocks -= n
             if max_blocks == 0:
@@ -90,14 +87,22 @@ class Swapper:
 
     def evict(self, req) -> bool:
         """Free req's device blocks, copying only what is not on host yet; False if the host pool is full."""
-        bs = self.device.block_size
-        if not self.host.grow(req.host_block_table, req.num_computed_tokens):
+        start = req.num_host_tokens // self.device.block_size
+        if not self._copy_out(req, start, req.num_computed_tokens):
             return False
-        start, end = req.num_host_tokens // bs, cdiv(req.num_computed_tokens, bs)
-        self._to_host(req.block_table[start:end], req.host_block_table[start:end])
-        req.num_host_tokens = req.num_computed_tokens
-        self._name_host_blocks(req, start)
         self.device.free(req.block_table, after=self.pending_event())
+        return True
+
+    def _copy_out(self, req, start: int, num_tokens: int) -> bool:
+        """Copy req's blocks from `start` on, up to num_tokens, to host; full ones keep the hashes
+        that name them on the device. False (nothing copied) if the host pool is full."""
+        if not self.host.grow(req.host_block_table, num_tokens):
+            return False
+        bs = self.device.block_size
+        end, full = cdiv(num_tokens, bs), num_tokens // bs
+        self._to_host(req.block_table[start:end], req.host_block_table[start:end])
+        req.num_host_tokens = num_tokens
+        self.host.cache_blocks(req.host_block_table[start:full], req.block_hashes[start:full])
         return True
 
     def load(self, req) -> bool:
@@ -112,11 +117,12 @@ class Swapper:
         return True
 
     def load_prefix(self, req, hashes: list[int], worth: Callable[[int], bool]) -> int:
-        """Extend req's device KV by the leading blocks of `hashes` that the host pool has cached, when
-        worth(their number of tokens) says the copy pays; returns the number of blocks loaded."""
+        """Extend req's device KV by the leading blocks of `hashes` that the host pool has cached,
+        when worth(their number of tokens) says the copy pays; returns how many blocks it loads."""
         host_blocks, bs = self.host.match_prefix(hashes), self.device.block_size
         n = len(host_blocks)
-        loads = n > 0 and worth(n * bs) and self.device.grow(req.block_table, (len(req.block_table) + n) * bs)
+        loads = n > 0 and worth(n * bs) and \
+            self.device.grow(req.block_table, (len(req.block_table) + n) * bs)
         if loads:
             while self.in_flight:  # their blocks may still be on their way to host
                 self._finish_oldest()
@@ -124,11 +130,6 @@ class Swapper:
             req.num_computed_tokens += n * bs
         self.host.free(host_blocks, after=self.pending_event())
         return n if loads else 0
-
-    def _name_host_blocks(self, req, start: int) -> None:
-        """The full blocks just copied to host keep the hashes that name them on the device."""
-        full = req.num_host_tokens // self.device.block_size
-        self.host.cache_blocks(req.host_block_table[start:full], req.block_hashes[start:full])
 
     def forget(self, req) -> None:
         """Drop req's host copy (it finished, was aborted, or will be recomputed)."""

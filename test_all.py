@@ -1431,6 +1431,19 @@ def test_client_leaving_while_queued_is_aborted(server, gate, monkeypatch):
     assert after[generated] - before[generated] <= 1  # at most the step that was already under way
 
 
+def test_metrics_count_prefix_hits(server):
+    """The same prompt twice: the second finds the first's full blocks cached."""
+    prompt = list(range(3, 60))
+    before = scrape(server)
+    for _ in range(2):
+        status, _, _ = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert status == 200
+    after = scrape(server)
+    delta = {k: after[f"nanoflow_{k}_total"] - before.get(f"nanoflow_{k}_total", 0)
+             for k in ("prefix_queried_tokens", "prefix_hit_tokens")}
+    assert delta == {"prefix_queried_tokens": 2 * len(prompt), "prefix_hit_tokens": (len(prompt) - 1) // 16 * 16}
+
+
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
     monkeypatch.setattr(server.loop, "max_waiting", 2)
     streams = [open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)]
@@ -1823,7 +1836,7 @@ def test_help_explains_every_option(capsys):
                  "--chat-template",
                  "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                  "--gpu-memory-utilization", "--override-generation-config", "--allowed-origins",
-                 "--shutdown-timeout", "--log-level"):
+                 "--shutdown-timeout", "--log-level", "--enable-prefix-caching"):
         assert flag in text
 
 
@@ -1857,8 +1870,10 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
                      "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.5",
                      "--served-model-name", "a", "b", "--chat-template", str(template),
                      "--allowed-origins", "http://x", "*", "--override-generation-config",
-                     '{"temperature": 0.25}', "--log-level", "warning")
+                     '{"temperature": 0.25}', "--log-level", "warning",
+                     "--no-enable-prefix-caching")
     engine, server = built["llm"].engine, built["server"]
+    assert not engine.scheduler.enable_prefix_caching
     block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
     assert engine.kv.kv_cache.device.type == "cpu" and engine.model.model.norm.weight.dtype == torch.bfloat16
@@ -1876,6 +1891,7 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     built = built_by("--tokenflow", "interval=0.7,mu=3")  # tokenflow is the default
     assert built["llm"].engine.scheduler.policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
     assert built["server"].model_names == [ckpt.name]
+    assert built["llm"].engine.scheduler.enable_prefix_caching  # on by default
 
 
 def test_read_rates_are_clamped(ckpt):

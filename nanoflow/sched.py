@@ -407,9 +407,9 @@ class Scheduler:
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
         if self.enable_prefix_caching and self.swapper and self.swapper.async_copies and \
-                self.swapper.backlog() < self.step_time():
-            # the host pool is the cache's second tier: fill it while the link is idle
-            link_blocks = int(self.step_time() * self.swapper.bandwidth / self.kv.bytes_per_block)
+                self.swapper.backlog() < seconds:
+            # the host pool is the cache's second tier: fill it with what the link carries in a step
+            link_blocks = int(seconds * self.swapper.bandwidth / self.kv.bytes_per_block)
             self.swapper.write_through(self.running, max(1, link_blocks))
 
 

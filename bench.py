@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import functools
 import gc
+import gzip
 import http.client
 import importlib.util
 import json
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,6 +44,10 @@ from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: Efficient Generative "
                 "LLM Inference Using Phase Splitting\", ISCA 2024")
+MOONCAKE_CREDIT = ("Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: "
+                   "Trading More Storage for Less Computation\", FAST 2025")
+TRACE_BLOCK = 512  # tokens behind each of a Mooncake trace's hash ids
+REAL_HOST_KV_GB = 4.0  # the real engine's host pool unless --host-kv-gb: LLM's default
 PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60% at 20
 DEMAND_SHARE = 0.7  # auto rates: the readers' peak total demand takes this share of the measured capacity
 SPEED_SHARE = 0.5  # auto rates: the fastest reader reads at most half as fast as a running request decodes
@@ -52,12 +57,13 @@ PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode 
 PROMPT_VOCAB = 256  # prompt token ids are drawn below this: valid for every model, and content does not matter
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
-ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "num_kv_blocks", "host_kv_gb",
-                "max_num_batched_tokens"]
+ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "num_kv_blocks", "max_num_batched_tokens",
+                "enable_prefix_caching"]
 METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99", "qoe_mean",
                "qoe_good_share", "effective_throughput", "throughput", "makespan", "preemptions", "requests",
                "completed")
-COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device")
+COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device",
+            "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
 
 
 # ---------------------------------------------------------------- the workload
@@ -73,11 +79,14 @@ class Workload:
     rate: list[float]  # tokens/s of each request's reader
     seed: int
     source: str
+    block_ids: list[list[int]] | None = None  # a Mooncake trace's: equal ids, equal blocks
 
     def __len__(self) -> int:
         return len(self.arrival)
 
     def prompt_ids(self, i: int) -> list[int]:
+        if self.block_ids:
+            return list(b"".join(map(trace_block, self.block_ids[i]))[:self.prompt_len[i]])
         rng = random.Random(self.seed * 1_000_003 + i)
         return [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i])]
 
@@ -96,6 +105,40 @@ class Workload:
         return dataclasses.replace(self, rate=[clamp_read_rate(r * factor) for r in self.rate])
 
 
+@functools.cache
+def trace_block(block_id: int) -> bytes:
+    """The tokens (bytes: below PROMPT_VOCAB) of one of a trace's hash ids."""
+    return random.Random(block_id).randbytes(TRACE_BLOCK)
+
+
+def read_trace(path: str, time_scale: float) -> list[tuple]:
+    """Rows of (arrival_s, prompt_tokens, output_tokens, hash ids or None), sorted by arrival,
+    from a CSV of those columns or a Mooncake JSONL (optionally gzipped)."""
+    if ".jsonl" in path:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            rows = [(r["timestamp"] / 1e3, r["input_length"], r["output_length"], r["hash_ids"])
+                    for r in map(json.loads, f)]
+    else:
+        with open(path) as f:
+            rows = [(float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"]), None)
+                    for r in csv.DictReader(f)]
+    return sorted((a * time_scale, *rest) for a, *rest in rows)
+
+
+def lru_hit_rate(block_ids: list[list[int]], capacity: int) -> float:
+    """The share of prompt blocks that a plain LRU cache of `capacity` blocks, fed the prompts in
+    order, holds as a leading run: a bound computed from the trace alone."""
+    cache, hits = OrderedDict(), 0
+    for ids in block_ids:
+        hits += next((k for k, h in enumerate(ids) if h not in cache), len(ids))
+        for h in ids:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hits / max(1, sum(map(len, block_ids)))
+
+
 def parse_dist(text: str) -> tuple[float, float]:
     """'MEAN' or 'MEAN:SPREAD' (a normal distribution; spread defaults to a quarter of the mean)."""
     mean, _, spread = text.partition(":")
@@ -110,12 +153,11 @@ def parse_mix(text: str) -> list[tuple[float, float]]:
 
 def build_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
+    block_ids = None
     if args.trace:
-        with open(args.trace) as f:
-            rows = [(float(r["arrival_s"]) * args.time_scale, int(r["prompt_tokens"]), int(r["output_tokens"]))
-                    for r in csv.DictReader(f)]
-        rows.sort()
-        arrival, prompts, outputs = [list(col) for col in zip(*rows)]
+        rows = read_trace(args.trace, args.time_scale)
+        arrival, prompts, outputs, block_ids = [list(col) for col in zip(*rows)]
+        block_ids = block_ids if block_ids[0] is not None else None
         source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale}, lengths from the trace)"
     else:
         if args.burst:
@@ -132,7 +174,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
-    return Workload(arrival, prompts, outputs, [clamp_read_rate(r) for r in rates], args.seed, source)
+    rates = [clamp_read_rate(r) for r in rates]
+    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids)
 
 
 # ---------------------------------------------------------------- readers: `--read-rate auto`
@@ -326,10 +369,12 @@ def engine_factory(args: argparse.Namespace, w: Workload):
         if args.preset not in PRESETS:
             raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config,
-                                 charge_scheduler=not args.uncharged)
+                                 charge_scheduler=not args.uncharged, host_kv_gb=args.host_kv_gb,
+                                 enable_prefix_caching=args.enable_prefix_caching)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
     options = {**EngineConfig.flag_values(args, ENGINE_FLAGS), "num_kv_blocks": blocks,
-               "block_size": BLOCK_SIZE, "tokenflow": args.tokenflow_config}
+               "block_size": BLOCK_SIZE, "tokenflow": args.tokenflow_config,
+               "host_kv_gb": REAL_HOST_KV_GB if args.host_kv_gb is None else args.host_kv_gb}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
     return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), \
@@ -348,6 +393,7 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
         probe = drive(engine, probe_workload(w, blocks, step_tokens).clamped(context), "warm-up")
         if not runs:
             speed, capacity = decode_rates(probe.records)
+            info.update(host_blocks=engine.stats()["host_blocks_total"])
             info.update(kv_blocks=blocks, probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
                         rates=f"{args.read_rate} (as given)")
             if args.read_rate == "auto":
@@ -377,17 +423,24 @@ ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "
         ("throughput (tok/s)", "throughput", "{:.1f}"), ("makespan (s)", "makespan", "{:.1f}"),
         ("preemptions (resumed by load/recompute)", "preemptions", "{:.0f}"),
         ("GB moved host<->device", "gb", "{:.2f}"),
+        ("prefix hits (device + host)", "prefix", "{}"),
         ("requests completed", "completed", "{:.0f}")]
 
 
 def cell(s: dict, key: str, fmt: str) -> str:
     if key == "preemptions":
         return f"{s['preemptions']} ({s['resumes_load']}/{s['resumes_recompute']})"
+    if key == "prefix":
+        queried = max(1, s["prefix_queried_tokens"])
+        device, host = s["prefix_hit_tokens"] / queried, s["prefix_host_hit_tokens"] / queried
+        return f"{device:.1%} + {host:.1%}"
     return fmt.format(s[key])
 
 
 def table(runs: list[Run]) -> str:
-    sums = [{**r.summary, "gb": (r.summary["bytes_to_host"] + r.summary["bytes_to_device"]) / 1e9} for r in runs]
+    sums = [{**r.summary, "gb": (r.summary["bytes_to_host"] + r.summary["bytes_to_device"]) / 1e9,
+             "prefix": (r.summary["prefix_hit_tokens"] + r.summary["prefix_host_hit_tokens"])
+             / max(1, r.summary["prefix_queried_tokens"])} for r in runs]
     head = [""] + [r.name for r in runs] + ([f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else [])
     lines = [head]
     for label, key, fmt in ROWS:
@@ -857,6 +910,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
         f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
         "else all memory)")
+    add("--host-kv-gb", type=float, help="host memory (GiB) for swapped-out and cached KV "
+        f"(default: {REAL_HOST_KV_GB}; --simulate: the preset's)")
     add("--context", type=int, default=8192, help="--http: clamp lengths to this context (default: %(default)s)")
     add("--json", metavar="PATH", help="write the config and each policy's metrics as JSON")
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs (needs matplotlib)")
@@ -907,10 +962,17 @@ def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
 
 
 def serving_bench(args: argparse.Namespace) -> None:
+    credit = MOONCAKE_CREDIT if args.trace and ".jsonl" in args.trace else TRACE_CREDIT
     if args.trace:
-        print(f"trace: {TRACE_CREDIT}")
+        print(f"trace: {credit}")
     runs, w, info = run_workload(args)
     print(f"workload: {w.source}; seed {args.seed}")
+    if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
+        ids = [b[:cdiv(p, TRACE_BLOCK)] for b, p in zip(w.block_ids, w.prompt_len)]
+        capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // TRACE_BLOCK
+        print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
+              f"{TRACE_BLOCK}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
+              f"{lru_hit_rate(ids, math.inf):.1%}")
     print(f"engine: {info['engine']}")
     if "kv_blocks" in info:
         print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold {info['probe_batch']} of the "
@@ -920,7 +982,7 @@ def serving_bench(args: argparse.Namespace) -> None:
     config = {**vars(args), "tokenflow_config": dataclasses.asdict(args.tokenflow_config), **info,
               "mean_rate": sum(w.rate) / len(w), "workload": w.source,
               "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
-              **({"trace_credit": TRACE_CREDIT} if args.trace else {})}
+              **({"trace_credit": credit} if args.trace else {})}
     if args.json:
         write_json(args.json, runs, config)
     if args.plot:

@@ -19,6 +19,7 @@ import threading
 import time
 import types
 import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -800,13 +801,22 @@ def test_triton_engine_matches_torch(tiny, monkeypatch):
 
 
 def check_pools(engine) -> None:
-    """Accounting never lies: free + used == total in both pools, and no block has two owners."""
+    """Accounting never lies, in both pools: each block's reference count is the number of tables that
+    hold it; free + referenced + cached + pending == total; no block is both free and referenced; a
+    cached block's hash names it."""
     s = engine.scheduler
     reqs = s.running + list(s.waiting)
-    for pool, tables in [(engine.kv, [r.block_table for r in reqs]), (s.swapper.host, [r.host_block_table for r in reqs])]:
-        held = [b for t in tables for b in t] + [b for _, blocks in pool.pending_free for b in blocks]
-        assert len(held) == len(set(held)), "a block has two owners"
-        assert pool.num_free + len(held) == pool.num_blocks
+    pools = [(engine.kv, [r.block_table for r in reqs])]
+    if s.swapper:
+        pools.append((s.swapper.host, [r.host_block_table for r in reqs]))
+    for pool, tables in pools:
+        refs = Counter(b for t in tables for b in t)
+        pending = [b for _, blocks in pool.pending_free for b in blocks]
+        assert all(pool.ref_cnt[b] == refs[b] for b in range(pool.num_blocks))
+        assert not refs.keys() & (set(pool.free_blocks) | set(pool.evictable) | set(pending))
+        assert len(pool.free_blocks) + len(refs) + len(pool.evictable) + len(pending) == pool.num_blocks
+        assert len(pool.cached) == len(pool.block_hash)
+        assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
 
 
 def run_checked(llm: LLM, prompts, params):
@@ -895,6 +905,134 @@ def test_host_pool_too_small_falls_back_to_recompute(tiny):
     assert llm.stats()["resumes_recompute"] > 0
 
 
+# ---------------------------------------------------------------- prefix caching
+
+
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    """Prompts sharing a prefix of 0 to 70 tokens (block-aligned and not), a repeat, and a prompt that is
+    exactly a cached run of blocks (its last block must still be computed, for the logits)."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, TINY["vocab_size"]) for _ in range(70)]
+    tails = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    prompts = [base[:k] + t for k, t in zip((70, 0, 16, 20, 32, 45), tails)]
+    return prompts + [prompts[0], base[:32]]
+
+
+def computed_tokens(llm: LLM) -> Counter:
+    """Counts the tokens each request computes, by wrapping the engine's forward."""
+    counts, real_run = Counter(), llm.engine.run
+
+    def run(batch):
+        counts.update({req.request_id: n for req, n in zip(batch.reqs, batch.query_lens)})
+        return real_run(batch)
+
+    llm.engine.run = run
+    return counts
+
+
+@pytest.mark.parametrize("resume", ["load", "recompute"])
+def test_prefix_caching_gives_identical_tokens(tiny, resume):
+    """Shared prefixes of every kind, under forced preemption; the pools are checked after every step.
+    The second round finds every prompt's blocks cached."""
+    path, _ = tiny
+    prompts = shared_prefix_prompts(seed=20)
+    off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    expected = [o.token_ids for o in off.generate(prompts, GREEDY)]
+    assert off.stats()["prefix_hit_tokens"] == 0
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+              policy=Forced(3, resume))
+    for _ in range(2):
+        tokens, points = run_checked(llm, prompts, GREEDY)
+        assert tokens == expected and points
+    stats = llm.stats()
+    most = sum((len(p) - 1) // 16 * 16 for p in prompts)  # the second round's bound
+    assert most < stats["prefix_hit_tokens"] and stats["prefix_queried_tokens"] >= 2 * sum(map(len, prompts))
+
+
+def test_second_turn_computes_only_its_new_tokens(tiny):
+    """The second turn resends the conversation: only what the first did not compute is computed."""
+    path, _ = tiny
+    first, new = shared_prefix_prompts(seed=21)[:2]
+    llm = LLM(path, device="cpu", num_kv_blocks=64)
+    reply = llm.generate(first, GREEDY)[0].token_ids
+    second = first + reply + new
+    counts = computed_tokens(llm)
+    out = llm.generate(second, GREEDY)[0]
+    off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    assert out.token_ids == off.generate(second, GREEDY)[0].token_ids
+    # the first turn computed its prompt and all but its last reply token: their full blocks are cached
+    hit = (len(first) + len(reply) - 1) // 16 * 16
+    assert hit >= len(first) and llm.stats()["prefix_hit_tokens"] == hit
+    assert counts[out.request_id] == len(second) - hit + GREEDY.max_tokens - 1
+    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
+
+
+def test_second_turn_loads_an_evicted_prefix_from_host(tiny):
+    """The first turn's blocks were written through to host; other prompts then push them out of the
+    device's cache. The second turn loads them back instead of recomputing them."""
+    path, _ = tiny
+    first, new = shared_prefix_prompts(seed=23)[:2]
+    llm = LLM(path, device="cpu", num_kv_blocks=12, host_kv_gb=0.01, policy=Forced(10**9, "load"))
+    reply = llm.generate(first, GREEDY)[0].token_ids
+    for filler in random_prompts(2, TINY["vocab_size"], seed=24, lengths=(150, 150)):
+        llm.generate(filler, GREEDY)
+    second = first + reply + new
+    counts = computed_tokens(llm)
+    before = llm.stats()
+    out = llm.generate(second, GREEDY)[0]
+    off = LLM(path, device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    assert out.token_ids == off.generate(second, GREEDY)[0].token_ids
+    hit = (len(first) + len(reply) - 1) // 16 * 16
+    stats = llm.stats()
+    assert stats["prefix_hit_tokens"] == before["prefix_hit_tokens"]  # nothing left on the device
+    assert stats["prefix_host_hit_tokens"] - before["prefix_host_hit_tokens"] == hit
+    assert counts[out.request_id] == len(second) - hit + GREEDY.max_tokens - 1
+    assert stats["bytes_to_device"] - before["bytes_to_device"] == hit // 16 * llm.engine.kv.bytes_per_block
+    llm.engine.scheduler.swapper.complete_all()
+    check_pools(llm.engine)
+
+
+def test_abort_of_a_request_sharing_blocks_leaves_the_others_intact(tiny):
+    path, _ = tiny
+    prompts = shared_prefix_prompts(seed=22)[:1] * 3
+    expected = LLM(path, device="cpu", num_kv_blocks=64).generate(prompts[0], GREEDY)[0].token_ids
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=100, host_kv_gb=0.01)
+    engine = llm.engine
+    reqs = [engine.add_request(prompts[0], GREEDY)]
+    engine.step()
+    reqs += [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    engine.step()
+    shared = set(reqs[0].block_table) & set(reqs[1].block_table) & set(reqs[2].block_table)
+    assert len(shared) == (len(prompts[0]) - 1) // 16
+    engine.abort(reqs[0].request_id)
+    engine.abort(reqs[2].request_id)
+    check_pools(engine)
+    assert all(engine.kv.ref_cnt[b] == 1 for b in shared)
+    while engine.has_unfinished():
+        engine.step()
+        check_pools(engine)
+    assert reqs[1].output_token_ids == expected and engine.kv.num_free == engine.kv.num_blocks
+
+
+def test_kv_pool_evicts_cached_blocks_least_recently_used_and_tail_first():
+    pool = KVPool(6, 1, 4, 1, 8, torch.float32, torch.device("cpu"))
+    a, b = [], []
+    pool.grow(a, 12)
+    pool.grow(b, 8)
+    pool.cache_blocks(a, [1, 2, 3])
+    pool.cache_blocks(b, [1, 5])  # hash 1 is cached already: b's first block stays anonymous
+    first_a, first_b = list(a), list(b)
+    pool.free(b)
+    pool.free(a)
+    assert pool.num_free == 6 and len(pool.evictable) == 4 and len(pool.free_blocks) == 2
+    assert pool.match_prefix([1, 2, 9]) == first_a[:2] and pool.ref_cnt[first_a[0]] == 1
+    c = []
+    pool.grow(c, 12)  # the two free blocks, then the least recently used cached one: b's, not a's tail
+    assert first_b[1] in c and first_a[2] not in c and pool.cached.keys() == {1, 2, 3}
+    pool.grow(c, 16)  # then a's tail before its head (which is referenced anyway)
+    assert first_a[2] in c and pool.cached.keys() == {1, 2}
+
+
 def test_abort_while_preempted_or_loading_frees_everything(tiny):
     path, _ = tiny
     llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(10**9, "load"))
@@ -931,8 +1069,8 @@ def test_swap_round_trip_across_staging_chunks(monkeypatch):
     for pool in (device, host):
         pool.kv_cache.copy_(torch.randn(pool.kv_cache.shape))
         rng.shuffle(pool.free_blocks)  # blocks far apart and out of order on both sides
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0, num_computed_tokens=43,
-                                load_event=None)
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
+                                num_computed_tokens=43, load_event=None)
     assert device.grow(req.block_table, 43)  # 11 blocks, the last one partly filled
     kv = device.kv_cache[req.block_table].clone()
     host_before = host.kv_cache.clone()
@@ -956,7 +1094,7 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
     shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
     device, host = KVPool(8, *shape), KVPool(8, *shape, host=True)
     swapper = Swapper(device, host)
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0,
+    req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
                                 num_computed_tokens=20)
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)
@@ -1291,6 +1429,19 @@ def test_client_leaving_while_queued_is_aborted(server, gate, monkeypatch):
     assert after[aborted] == before.get(aborted, 0) + 1
     generated = 'nanoflow_tokens_total{kind="generation"}'
     assert after[generated] - before[generated] <= 1  # at most the step that was already under way
+
+
+def test_metrics_count_prefix_hits(server):
+    """The same prompt twice: the second finds the first's full blocks cached."""
+    prompt = list(range(3, 60))
+    before = scrape(server)
+    for _ in range(2):
+        status, _, _ = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert status == 200
+    after = scrape(server)
+    delta = {k: after[f"nanoflow_{k}_total"] - before.get(f"nanoflow_{k}_total", 0)
+             for k in ("prefix_queried_tokens", "prefix_hit_tokens")}
+    assert delta == {"prefix_queried_tokens": 2 * len(prompt), "prefix_hit_tokens": (len(prompt) - 1) // 16 * 16}
 
 
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
@@ -1685,7 +1836,7 @@ def test_help_explains_every_option(capsys):
                  "--chat-template",
                  "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                  "--gpu-memory-utilization", "--override-generation-config", "--allowed-origins",
-                 "--shutdown-timeout", "--log-level"):
+                 "--shutdown-timeout", "--log-level", "--enable-prefix-caching"):
         assert flag in text
 
 
@@ -1719,8 +1870,10 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
                      "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.5",
                      "--served-model-name", "a", "b", "--chat-template", str(template),
                      "--allowed-origins", "http://x", "*", "--override-generation-config",
-                     '{"temperature": 0.25}', "--log-level", "warning")
+                     '{"temperature": 0.25}', "--log-level", "warning",
+                     "--no-enable-prefix-caching")
     engine, server = built["llm"].engine, built["server"]
+    assert not engine.scheduler.enable_prefix_caching
     block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
     assert engine.kv.kv_cache.device.type == "cpu" and engine.model.model.norm.weight.dtype == torch.bfloat16
@@ -1738,6 +1891,7 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     built = built_by("--tokenflow", "interval=0.7,mu=3")  # tokenflow is the default
     assert built["llm"].engine.scheduler.policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
     assert built["server"].model_names == [ckpt.name]
+    assert built["llm"].engine.scheduler.enable_prefix_caching  # on by default
 
 
 def test_read_rates_are_clamped(ckpt):
@@ -1785,8 +1939,37 @@ from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
 
 
 def sim_engine(*args, **kwargs):
-    """A simulated engine whose runs repeat exactly: the scheduler's own time is not charged."""
+    """A simulated engine whose runs repeat exactly: the scheduler's own time is not charged. Without
+    prefix caching unless asked: these scenarios' prompts ([1] * n) stand for distinct requests."""
+    kwargs.setdefault("enable_prefix_caching", False)
     return build_engine(*args, charge_scheduler=False, **kwargs)
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+def test_simulator_serves_a_second_turn_from_the_device_or_the_host_tier(evicted):
+    """The same two tiers on the virtual clock: a second turn finds the first on the device, or, once
+    other prompts pushed it out of the device pool, on host (written through while the link was idle)."""
+    engine = sim_engine("cpu-smollm2", "fcfs", num_kv_blocks=32, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    def run(prompt: list[int]) -> Request:
+        req = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+            check_pools(engine)
+        return req
+
+    first = run(list(range(100, 200)))
+    for i in range(2 if evicted else 0):
+        run([1000 + i] * 400)  # 26 of the 32 device blocks each
+    before = engine.stats()
+    second = run(first.token_ids + [7] * 10)
+    hit = (first.num_tokens - 1) // 16 * 16
+    stats = engine.stats()
+    tier = "prefix_host_hit_tokens" if evicted else "prefix_hit_tokens"
+    other = "prefix_hit_tokens" if evicted else "prefix_host_hit_tokens"
+    assert stats[tier] - before[tier] == hit and stats[other] == before[other]
+    assert second.num_output_tokens == 20 and engine.kv.num_free == engine.kv.num_blocks
 
 
 def test_metrics_by_hand():
@@ -2470,3 +2653,18 @@ def stream_with_key(server, rate: float, ids: list[str]) -> None:
     chunks = sse(conn.getresponse())
     ids.append(next(chunks)[1]["id"])
     assert [c for _, c in chunks][-1] == "[DONE]"
+
+
+def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits():
+    """Equal leading ids give equal leading tokens (so the engine's cache can find them); the plain LRU
+    bound, checked on a toy trace by hand, and on the real trace against its unbounded rate."""
+    args = bench.parse_args(["--trace", os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")])
+    w = bench.build_workload(args)
+    assert len(w) == 3993 and all(len(ids) == -(-p // 512) for ids, p in zip(w.block_ids, w.prompt_len))
+    i, j = next((i, j) for i in range(len(w)) for j in range(i + 1, len(w))
+                if w.block_ids[i][:2] == w.block_ids[j][:2] and w.block_ids[i][2:3] != w.block_ids[j][2:3])
+    a, b = w.prompt_ids(i), w.prompt_ids(j)
+    assert len(a) == w.prompt_len[i] and a[:1024] == b[:1024] and a[1024:1536] != b[1024:1536]
+    toy = [[1, 2], [1, 2, 3], [4], [1, 5]]  # hits: 0, 2 (1, 2), 0, then 1 (1) unless evicted by 3, 4
+    assert bench.lru_hit_rate(toy, 100) == 3 / 8 and bench.lru_hit_rate(toy, 3) == 2 / 8
+    assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(0.64, abs=0.01)  # the trace's README

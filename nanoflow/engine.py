@@ -77,6 +77,8 @@ class EngineConfig:
                                          type=float)
     enforce_eager: bool = knob(False, "no CUDA graphs: every step runs eagerly (on a CPU it "
                                "always does)", action="store_true")
+    enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
+                                       action=argparse.BooleanOptionalAction)
 
     def __post_init__(self):
         # checked before the model loads: a typo should fail fast
@@ -171,11 +173,14 @@ class Engine:
         swapper = s.swapper
         host = swapper.host if swapper else None
         return {"preemptions": 0, "resumes_load": 0, "resumes_recompute": 0, "bytes_to_host": 0,
-                "bytes_to_device": 0, "blocks_written_through": 0, **s.counters,
-                **(swapper.counters if swapper else {}),
+                "bytes_to_device": 0, "blocks_written_through": 0, "prefix_queried_tokens": 0,
+                "prefix_hit_tokens": 0, "prefix_host_hit_tokens": 0,
+                **s.counters, **(swapper.counters if swapper else {}),
                 "running": len(s.running), "waiting": len(s.waiting),
                 "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
-                "device_blocks_free": self.kv.num_free, "device_blocks_total": self.kv.num_blocks,
+                "device_blocks_free": self.kv.num_free,
+                "device_blocks_cached": len(self.kv.evictable),
+                "device_blocks_total": self.kv.num_blocks,
                 "host_blocks_free": host.num_free if host else 0,
                 "host_blocks_total": host.num_blocks if host else 0}
 
@@ -406,7 +411,8 @@ class LLM:
         if num_host_blocks:
             swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True))
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
-                              c.policy, swapper, c.tokenflow)
+                              c.policy, swapper, c.tokenflow,
+                              c.enable_prefix_caching)
         self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
                              c.enforce_eager)
 

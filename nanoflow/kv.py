@@ -6,10 +6,15 @@ memory in a single copy (swap.py). Layers read it through strided views. A reque
 list of block ids, its `block_table`; token i of the request lives in slot `block_table[i //
 block_size] * block_size + i % block_size`. The scheduler asks this pool for room before it runs a
 request; the runner asks it for the step's `slot_mapping` and `block_tables`.
+
+Prefix caching: a full block is named by a hash chained over its tokens and its parent's hash, so
+equal prefixes have equal hashes. Blocks are reference-counted; a full block whose count drops to
+zero stays cached (LRU, first to go when a request needs memory), and a new request whose prompt
+starts with cached blocks takes a reference to them instead of computing them again.
 """
 
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 from torch import Tensor
@@ -24,7 +29,9 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 class KVPool:
-    """KV memory and its block allocator. Invariant: num_free + num_used == num_blocks.
+    """KV memory and its block allocator. Invariant: free + referenced + cached + pending ==
+    num_blocks, where cached blocks (full, hashed, referenced by nobody) count as free: they are
+    taken last.
 
     The device pool lives on the GPU; the host pool (swap.py) is the same class in CPU memory,
     pinned when the device is CUDA. A block freed while a transfer may still read or write it waits
@@ -43,6 +50,10 @@ class KVPool:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: dict[int, int] = {}  # block -> hash, for full blocks whose KV is computed
+        self.cached: dict[int, int] = {}  # hash -> block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
 
     def _pin(self) -> None:
@@ -61,7 +72,7 @@ class KVPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
@@ -78,23 +89,71 @@ class KVPool:
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             return False
-        block_table.extend(self.free_blocks.popleft() for _ in range(need))
+        block_table.extend(self._take() for _ in range(need))
         return True
 
+    def _take(self) -> int:
+        """A free block, else the least recently used cached one (forgetting its hash)."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash.pop(block)]
+        self.ref_cnt[block] = 1
+        return block
+
     def free(self, block_table: list[int], after: torch.cuda.Event | None = None) -> None:
-        """Give blocks back, at once or once the transfer that `after` marks has completed."""
+        """Drop the table's references; blocks nobody holds any more return to the pool, at once or
+        once the transfer that `after` marks has completed. The tail goes first, so that the LRU
+        evicts a prefix's last blocks before its first."""
+        for block in block_table:
+            self.ref_cnt[block] -= 1
+        released = [block for block in reversed(block_table) if self.ref_cnt[block] == 0]
         if after is None:
-            self.free_blocks.extend(block_table)
-        elif block_table:
-            self.pending_free.append((after, list(block_table)))
+            self._release(released)
+        elif released:
+            self.pending_free.append((after, released))
         block_table.clear()
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            if block in self.block_hash:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
+    def num_own(self, block_table: list[int]) -> int:
+        """Blocks that freeing this table would really free: those nobody else references."""
+        return sum(self.ref_cnt[b] == 1 for b in block_table)
+
+    def match_prefix(self, hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest leading run of these hashes, each now referenced once
+        more."""
+        blocks = []
+        for h in hashes:
+            block = self.cached.get(h)
+            # a block referenced by nobody but not evictable is pending: a copy still reads it
+            if block is None or not (self.ref_cnt[block] or block in self.evictable):
+                break
+            blocks.append(block)
+        for block in blocks:
+            self.evictable.pop(block, None)
+            self.ref_cnt[block] += 1
+        return blocks
+
+    def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
+        """Name full blocks by their hashes; a hash cached already keeps its first block."""
+        for block, h in zip(blocks, hashes):
+            if block not in self.block_hash and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
 
     def release_pending(self) -> None:
         """Blocks whose transfers have completed become free again."""
         done = [(e, b) for e, b in self.pending_free if e.query()]
         for item in done:
             self.pending_free.remove(item)
-            self.free_blocks.extend(item[1])
+            self._release(item[1])
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:

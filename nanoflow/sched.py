@@ -127,6 +127,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the device pool
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks (kv.py), chained
+    num_cached_blocks: int = 0  # leading blocks of block_table named in the pool's prefix cache
     num_host_tokens: int = 0  # leading tokens whose KV is (or is on its way) in the host pool
     host_block_table: list[int] = field(default_factory=list)
     load_event: torch.cuda.Event | None = None  # the compute stream waits for it before running this request
@@ -225,10 +227,11 @@ class Scheduler:
 
     def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
                  policy: str | Policy = "tokenflow", swapper: Swapper | None = None,
-                 config: TokenFlowConfig | None = None):
+                 config: TokenFlowConfig | None = None, enable_prefix_caching: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv, self.swapper, self.clock = kv, swapper, clock
+        self.enable_prefix_caching = enable_prefix_caching
         self.policy = make_policy(policy, config) if isinstance(policy, str) else policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.rates = StepRates()
@@ -292,6 +295,8 @@ class Scheduler:
         tokens, unless its load is still on the way; returns the budget left."""
         if req.status == RequestStatus.PREEMPTED:
             self._resume(req)
+        if not req.block_table and self.enable_prefix_caching:
+            self._match_prefix(req)
         self.waiting.remove(req)
         req.status, req.last_moved = RequestStatus.RUNNING, now
         self.running.append(req)
@@ -322,15 +327,57 @@ class Scheduler:
             self.swapper.forget(req)
         self.counters["resumes_recompute"] += 1
 
+    def _match_prefix(self, req: Request) -> None:
+        """Start req after the longest run of its full blocks cached on the device, then on host
+        (loaded when the copy is estimated faster than recomputing it); its last token is always
+        computed, for the logits."""
+        bs = self.kv.block_size
+        hashes = self.hashes(req, (req.num_tokens - 1) // bs)
+        blocks = self.kv.match_prefix(hashes)
+        req.block_table, req.num_cached_blocks = blocks, len(blocks)
+        req.num_computed_tokens = len(blocks) * bs
+        self.counters["prefix_queried_tokens"] += req.num_tokens
+        self.counters["prefix_hit_tokens"] += req.num_computed_tokens
+        if self.swapper:
+            rest = hashes[len(blocks):]
+            loaded_blocks = self.swapper.load_prefix(req, rest, self.load_beats_recompute)
+            self.counters["prefix_host_hit_tokens"] += loaded_blocks * bs
+
+    def load_beats_recompute(self, num_tokens: int) -> bool:
+        """Is copying this much KV from host (behind the queued copies) estimated faster than
+        recomputing it?"""
+        load = self.swapper.transfer_time(cdiv(num_tokens, self.kv.block_size))
+        return self.swapper.backlog() + load <= num_tokens / self.rates.prefill_rate
+
+    def hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """The chained hashes of req's first num_blocks full blocks (computed once per block)."""
+        bs = self.kv.block_size
+        for i in range(len(req.block_hashes), num_blocks):
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(hash((parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))))
+        return req.block_hashes[:num_blocks]
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Name the blocks req has filled since the last step: later prompts can share them."""
+        full = min(req.num_computed_tokens // self.kv.block_size, len(req.block_table))
+        if full > req.num_cached_blocks:
+            start = req.num_cached_blocks
+            self.kv.cache_blocks(req.block_table[start:full], self.hashes(req, full)[start:])
+            req.num_cached_blocks = full
+
+    def _drop_kv(self, req: Request) -> None:
+        """Give back req's references in both pools: blocks shared with others stay theirs."""
+        if self.swapper:
+            self.swapper.release(req)
+        else:
+            self.kv.free(req.block_table)
+
     def preempt(self, req: Request) -> None:
         """Take req off the device: evict its KV to host if the policy keeps it there, else drop it."""
         self.running.remove(req)
         if not (self.policy.evicts_to_host and self.swapper and self.swapper.evict(req)):
-            if self.swapper:
-                self.swapper.release(req)
-            else:
-                self.kv.free(req.block_table)
-        req.num_computed_tokens = 0
+            self._drop_kv(req)
+        req.num_computed_tokens = req.num_cached_blocks = 0
         req.num_preemptions += 1
         self.counters["preemptions"] += 1
         req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
@@ -342,16 +389,22 @@ class Scheduler:
             self.running.remove(req)
         elif req.status != RequestStatus.FINISHED:
             self.waiting.remove(req)
-        if self.swapper:
-            self.swapper.release(req)
-        else:
-            self.kv.free(req.block_table)
+        self._drop_kv(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     def after_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Learn from the step just run; the policy may copy freshly filled blocks to host."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
+        if self.enable_prefix_caching:
+            for req in filter(loaded, self.running):  # blocks still being loaded are not shared yet
+                self._cache_full_blocks(req)
         self.policy.after_step(self)
+        if self.enable_prefix_caching and self.swapper and self.swapper.async_copies and \
+                not self.swapper.backlog():
+            # the host pool is the cache's second tier: while the policy's own copies leave the link
+            # idle, fill it with what the link carries in a step
+            link_blocks = int(seconds * self.swapper.bandwidth / self.kv.bytes_per_block)
+            self.swapper.write_through(self.running, max(1, link_blocks))
 
 
 def loaded(req: Request) -> bool:
@@ -521,7 +574,7 @@ class TokenFlow(FCFS):
                 break
             if self.preemptable(s, r, now):
                 out.append(r)
-                blocks, seats = blocks - len(r.block_table), seats - 1
+                blocks, seats = blocks - s.kv.num_own(r.block_table), seats - 1
                 link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
         return out
 
@@ -657,8 +710,7 @@ class TokenFlow(FCFS):
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
         """Load when the copy (behind the queued ones) is estimated faster than recomputing."""
-        load = s.swapper.backlog() + s.swapper.transfer_time(cdiv(req.num_host_tokens, s.kv.block_size))
-        return load <= req.num_host_tokens / s.rates.prefill_rate
+        return s.load_beats_recompute(req.num_host_tokens)
 
     def after_step(self, s: Scheduler) -> None:
         """Write newly filled blocks through to host, largest buffers first, while a preemption may come."""

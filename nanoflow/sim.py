@@ -207,16 +207,22 @@ def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) ->
 
 def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float = 8.0,
                  num_kv_blocks: int | None = None, tokenflow: TokenFlowConfig | None = None,
-                 charge_scheduler: bool = True) -> SimEngine:
-    """A simulated engine; charge_scheduler=False leaves the scheduler's own time out (runs repeat exactly)."""
+                 charge_scheduler: bool = True, host_kv_gb: float | None = None,
+                 enable_prefix_caching: bool = True) -> SimEngine:
+    """A simulated engine; charge_scheduler=False leaves the scheduler's own time out (runs repeat
+    exactly). host_kv_gb (GiB) replaces the preset's host pool."""
     cost = PRESETS[preset]() if isinstance(preset, str) else preset
     clock = VirtualClock()
     block_bytes = cost.block_size * cost.kv_bytes_per_token
     device = _pool(num_kv_blocks or cost.num_kv_blocks, cost.block_size, block_bytes, host=False)
-    swapper = SimSwapper(device, _pool(cost.num_host_blocks, cost.block_size, block_bytes, host=True), clock,
-                         cost.link_bytes_per_s) if cost.num_host_blocks else None
+    host_blocks = cost.num_host_blocks
+    if host_kv_gb is not None:
+        host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
+    swapper = SimSwapper(device, _pool(host_blocks, cost.block_size, block_bytes, host=True), clock,
+                         cost.link_bytes_per_s) if host_blocks else None
     scheduler = (ChargedScheduler if charge_scheduler else Scheduler)(
-        device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow)
+        device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow,
+        enable_prefix_caching)
     return SimEngine(cost, scheduler, read_rate)
 
 

@@ -3,7 +3,9 @@
 A host pool in CPU memory (pinned on CUDA) has the same block layout as the device pool (kv.py).
 After every step, blocks that running requests have just filled are written through to it, so when
 the scheduler preempts a request (sched.py) only its unsynced tail has to be copied before its
-device blocks are free; resuming it is a load of its blocks back into fresh device blocks.
+device blocks are free; resuming it is a load of its blocks back into fresh device blocks. Full
+blocks keep their prefix-cache hashes (kv.py) on host, so the host pool is a second cache tier: a
+prefix the device has dropped comes back by a copy instead of a recompute.
 
 On CUDA the copies run on a side stream: scattered device blocks are gathered into a contiguous
 device staging buffer, copied to pinned host memory in one DMA, then scattered into the host pool
@@ -64,17 +66,20 @@ class Swapper:
     # ------------------------------------------------------------ what the scheduler calls
 
     def write_through(self, reqs: list, max_blocks: int) -> None:
-        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host."""
+        """Copy the filled, unsynced blocks of `reqs` (most likely to be preempted first) to host;
+        those whose hashes the host pool has cached already are shared, not copied."""
         bs = self.device.block_size
         for req in reqs:
             start, end = req.num_host_tokens // bs, min(req.num_computed_tokens // bs, len(req.block_table))
+            if len(req.host_block_table) == start:
+                req.host_block_table += self.host.match_prefix(req.block_hashes[start:end])
+                start = len(req.host_block_table)
+                req.num_host_tokens = start * bs
             n = min(end - start, max_blocks)
             if n <= 0:
                 continue
-            if not self.host.grow(req.host_block_table, (start + n) * bs):
+            if not self._copy_out(req, start, (start + n) * bs):
                 return  # host pool full: eviction will copy (or recompute) instead
-            self._to_host(req.block_table[start:start + n], req.host_block_table[start:start + n])
-            req.num_host_tokens = (start + n) * bs
             self.counters["blocks_written_through"] += n
             max_blocks -= n
             if max_blocks == 0:
@@ -82,13 +87,22 @@ class Swapper:
 
     def evict(self, req) -> bool:
         """Free req's device blocks, copying only what is not on host yet; False if the host pool is full."""
-        bs = self.device.block_size
-        if not self.host.grow(req.host_block_table, req.num_computed_tokens):
+        start = req.num_host_tokens // self.device.block_size
+        if not self._copy_out(req, start, req.num_computed_tokens):
             return False
-        start, end = req.num_host_tokens // bs, cdiv(req.num_computed_tokens, bs)
-        self._to_host(req.block_table[start:end], req.host_block_table[start:end])
-        req.num_host_tokens = req.num_computed_tokens
         self.device.free(req.block_table, after=self.pending_event())
+        return True
+
+    def _copy_out(self, req, start: int, num_tokens: int) -> bool:
+        """Copy req's blocks from `start` on, up to num_tokens, to host; full ones keep the hashes
+        that name them on the device. False (nothing copied) if the host pool is full."""
+        if not self.host.grow(req.host_block_table, num_tokens):
+            return False
+        bs = self.device.block_size
+        end, full = cdiv(num_tokens, bs), num_tokens // bs
+        self._to_host(req.block_table[start:end], req.host_block_table[start:end])
+        req.num_host_tokens = num_tokens
+        self.host.cache_blocks(req.host_block_table[start:full], req.block_hashes[start:full])
         return True
 
     def load(self, req) -> bool:
@@ -101,6 +115,21 @@ class Swapper:
         req.load_event = self._to_device(req.host_block_table[:n], req.block_table[:n])
         req.num_computed_tokens = req.num_host_tokens
         return True
+
+    def load_prefix(self, req, hashes: list[int], worth: Callable[[int], bool]) -> int:
+        """Extend req's device KV by the leading blocks of `hashes` that the host pool has cached,
+        when worth(their number of tokens) says the copy pays; returns how many blocks it loads."""
+        host_blocks, bs = self.host.match_prefix(hashes), self.device.block_size
+        n = len(host_blocks)
+        loads = n > 0 and worth(n * bs) and \
+            self.device.grow(req.block_table, (len(req.block_table) + n) * bs)
+        if loads:
+            while self.in_flight:  # their blocks may still be on their way to host
+                self._finish_oldest()
+            req.load_event = self._to_device(host_blocks, req.block_table[-n:])
+            req.num_computed_tokens += n * bs
+        self.host.free(host_blocks, after=self.pending_event())
+        return n if loads else 0
 
     def forget(self, req) -> None:
         """Drop req's host copy (it finished, was aborted, or will be recomputed)."""

@@ -165,9 +165,8 @@ def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, st
 
 
 def probe_workload(w: Workload, num_blocks: int, step_tokens: int) -> Workload:
-    """As many requests as KV memory holds at once during the run, each with the run's mean context
-    while decoding (the prompt and half the output) as its prompt, long enough to decode PROBE_TOKENS
-    steps together after the last prefill."""
+    """As many requests as KV memory holds at once, each with the run's mean decoding context
+    (prompt + output / 2) as prompt, to decode PROBE_TOKENS steps together once all prefilled."""
     prompt, output = statistics.mean(w.prompt_len), statistics.mean(w.output_len)
     n = max(1, min(len(w), num_blocks // cdiv(round(prompt + output), BLOCK_SIZE)))
     prompt = round(prompt + output / 2)
@@ -359,8 +358,7 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
 
 
 def free_device_memory() -> None:
-    """The last engine's model and KV memory go before the next engine sizes its pool from what is
-    free (PyTorch's cache counts as used to torch.cuda.mem_get_info)."""
+    """Free the last engine before the next sizes its pool (torch's cache counts as used memory)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -513,9 +511,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
                 engine.step()
             spent = 0.0
             for _ in range(steps):
-                start = time.perf_counter()
-                s.schedule()
-                spent += time.perf_counter() - start
+                spent += seconds(s.schedule)
                 for req in s.running:  # what the step would have done: one more token each
                     req.num_computed_tokens = req.num_tokens
                     req.append(0, engine.clock())
@@ -760,8 +756,8 @@ def burst_check(args: argparse.Namespace) -> dict:
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
-    """Each step in order; a step that needs a GPU is skipped without one, and a failure is
-    recorded, never raised, so that one run reports on everything."""
+    """Each step in order; one that needs a GPU is skipped without one; a failure is recorded, not
+    raised, so that one run reports on everything."""
     steps = [("cuda tests", True, run_cuda_tests), ("kernels", True, bench_kernels),
              ("transfers", True, bench_transfers), ("decode", True, bench_decode_speed),
              ("burst", False, lambda: burst_check(args))]
@@ -812,14 +808,11 @@ def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, n
     for n in batch_sizes:
         prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        t = time.perf_counter()
-        llm.generate(prompts, params)
-        ours = n * new_tokens / (time.perf_counter() - t)
-        t = time.perf_counter()
+        ours = n * new_tokens / seconds(lambda: llm.generate(prompts, params))
         with torch.no_grad():
-            hf.generate(torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                        do_sample=False, pad_token_id=0)
-        theirs = n * new_tokens / (time.perf_counter() - t)
+            theirs = n * new_tokens / seconds(lambda: hf.generate(
+                torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0))
         print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
 

@@ -15,6 +15,7 @@ import functools
 import gc
 import http.client
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -138,14 +139,16 @@ def build_workload(args: argparse.Namespace) -> Workload:
 # ---------------------------------------------------------------- readers: `--read-rate auto`
 
 
+def levels(ups: list[float], downs: list[float]) -> list[tuple[float, int]]:
+    """(time, how many of `ups` minus how many of `downs` have passed) at each of their times."""
+    events = sorted([(t, 1) for t in ups] + [(t, -1) for t in downs])
+    return list(zip([t for t, _ in events], itertools.accumulate(d for _, d in events)))
+
+
 def peak_readers(w: Workload, mean_rate: float) -> int:
     """Most requests reading at once, if each is read from its arrival at mean_rate."""
-    events = sorted([(a, 1) for a in w.arrival] + [(a + n / mean_rate, -1) for a, n in zip(w.arrival, w.output_len)])
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
+    ends = [a + n / mean_rate for a, n in zip(w.arrival, w.output_len)]
+    return max((n for _, n in levels(w.arrival, ends)), default=0)
 
 
 def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, str]:
@@ -401,15 +404,10 @@ def write_json(path: str, runs: list[Run], config: dict) -> None:
     Path(path).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
 
 
-def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list[float], list[int]]:
-    """(time, unread tokens) at every generation and read: the request's buffer over time."""
-    events = sorted([(t, 1) for t in token_times] + [(t, -1) for t in read_times(token_times, rate)])
-    xs, ys, level = [], [], 0
-    for t, delta in events:
-        level += delta
-        xs.append(t - start)
-        ys.append(level)
-    return xs, ys
+def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list, list]:
+    """(times, unread tokens) at every generation and read: the request's buffer over time."""
+    curve = levels(token_times, read_times(token_times, rate))
+    return [t - start for t, _ in curve], [n for _, n in curve]
 
 
 def plot(runs: list[Run], path: str) -> None:
@@ -531,8 +529,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
 
 GPU_CHECK_BURST = 32  # requests in --gpu-check's burst: both policies in about a minute on a GPU
 GPU_CHECK_JSON = "gpu-check.json"
-KERNEL_BATCHES, KERNEL_CONTEXTS = (1, 32, 128), (512, 2048, 8192)
-GPU_CHECK_BATCHES = (1, 32, 128)
+KERNEL_BATCHES, KERNEL_CONTEXTS = (1, 32, 128), (512, 2048, 8192)  # decode speed: the same batches
 WARMUP, ITERS = 3, 10
 L2_FLUSH_BYTES = 256 << 20  # written before each timed call, so small inputs are not served from L2
 COPY_BYTES = 1 << 30
@@ -682,11 +679,10 @@ def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
 def bench_decode_speed(device: str = "cuda") -> dict:
     """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor:
     the weights and the batch's KV read once per step at the measured copy rate."""
-    from nanoflow.sim import LLAMA3_8B
+    from nanoflow.sim import LLAMA3_8B as c
     model, peak, rows = random_model(device), copy_bandwidth(), []
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    for batch in GPU_CHECK_BATCHES:
-        c = LLAMA3_8B
+    for batch in KERNEL_BATCHES:
         pool = KVPool(batch * DECODE_CONTEXT // BLOCK_SIZE, c.num_hidden_layers, BLOCK_SIZE,
                       c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
         floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak

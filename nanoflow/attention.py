@@ -436,26 +436,22 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
 # ---------------------------------------------------------------- the whole batch
 
 
-def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                        scale: float) -> Tensor:
-    """The whole flat batch in torch: decodes in one batched call, then each prefill chunk."""
-    return _paged_attention(q, k_cache, v_cache, meta, scale, decode_attention_ref,
-                            extend_attention_ref)
+def _whole_batch(decode, extend):
+    """paged_attention over the flat batch: the decodes in one call, then the prefill chunks."""
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+               scale: float) -> Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                              meta.seq_lens[:nd], max(meta.seq_lens_list[:nd]), scale)
+        if len(meta.query_lens) > nd:
+            extend(q, k_cache, v_cache, meta, scale, out)
+        return out
+    return attend
 
 
-def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                           scale: float) -> Tensor:
-    """The whole flat batch: one flash-decoding pass for the decodes, one launch for the chunks."""
-    return _paged_attention(q, k_cache, v_cache, meta, scale, decode_attention_triton,
-                            extend_attention_triton)
-
-
-def _paged_attention(q, k_cache, v_cache, meta, scale, decode, extend) -> Tensor:
-    out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                          max(meta.seq_lens_list[:nd]), scale)
-    if len(meta.query_lens) > nd:
-        extend(q, k_cache, v_cache, meta, scale, out)
-    return out
+# torch: the decodes in one batched call, then each prefill chunk in turn
+paged_attention_ref = _whole_batch(decode_attention_ref, extend_attention_ref)
+# Triton: one flash-decoding pass for the decodes, one extend launch for every chunk
+paged_attention_triton = _whole_batch(decode_attention_triton, extend_attention_triton)

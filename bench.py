@@ -399,11 +399,6 @@ def table(runs: list[Run]) -> str:
                      for row in lines)
 
 
-def write_json(path: str, runs: list[Run], config: dict) -> None:
-    policies = {r.name: r.summary for r in runs}
-    Path(path).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
-
-
 def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list, list]:
     """(times, unread tokens) at every generation and read: the request's buffer over time."""
     curve = levels(token_times, read_times(token_times, rate))
@@ -911,7 +906,8 @@ def serving_bench(args: argparse.Namespace) -> None:
               "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
               **({"trace_credit": TRACE_CREDIT} if args.trace else {})}
     if args.json:
-        write_json(args.json, runs, config)
+        policies = {r.name: r.summary for r in runs}
+        Path(args.json).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
     if args.plot:
         plot(runs, args.plot)
 

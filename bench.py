@@ -16,6 +16,7 @@ import gc
 import gzip
 import http.client
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -181,14 +182,16 @@ def build_workload(args: argparse.Namespace) -> Workload:
 # ---------------------------------------------------------------- readers: `--read-rate auto`
 
 
+def levels(ups: list[float], downs: list[float]) -> list[tuple[float, int]]:
+    """(time, how many of `ups` minus how many of `downs` have passed) at each of their times."""
+    events = sorted([(t, 1) for t in ups] + [(t, -1) for t in downs])
+    return list(zip([t for t, _ in events], itertools.accumulate(d for _, d in events)))
+
+
 def peak_readers(w: Workload, mean_rate: float) -> int:
     """Most requests reading at once, if each is read from its arrival at mean_rate."""
-    events = sorted([(a, 1) for a in w.arrival] + [(a + n / mean_rate, -1) for a, n in zip(w.arrival, w.output_len)])
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
+    ends = [a + n / mean_rate for a, n in zip(w.arrival, w.output_len)]
+    return max((n for _, n in levels(w.arrival, ends)), default=0)
 
 
 def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, str]:
@@ -208,9 +211,8 @@ def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, st
 
 
 def probe_workload(w: Workload, num_blocks: int, step_tokens: int) -> Workload:
-    """As many requests as KV memory holds at once during the run, each with the run's mean context
-    while decoding (the prompt and half the output) as its prompt, long enough to decode PROBE_TOKENS
-    steps together after the last prefill."""
+    """As many requests as KV memory holds at once, each with the run's mean decoding context
+    (prompt + output / 2) as prompt, to decode PROBE_TOKENS steps together once all prefilled."""
     prompt, output = statistics.mean(w.prompt_len), statistics.mean(w.output_len)
     n = max(1, min(len(w), num_blocks // cdiv(round(prompt + output), BLOCK_SIZE)))
     prompt = round(prompt + output / 2)
@@ -405,8 +407,7 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
 
 
 def free_device_memory() -> None:
-    """The last engine's model and KV memory go before the next engine sizes its pool from what is
-    free (PyTorch's cache counts as used to torch.cuda.mem_get_info)."""
+    """Free the last engine before the next sizes its pool (torch's cache counts as used memory)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -451,20 +452,10 @@ def table(runs: list[Run]) -> str:
                      for row in lines)
 
 
-def write_json(path: str, runs: list[Run], config: dict) -> None:
-    policies = {r.name: r.summary for r in runs}
-    Path(path).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
-
-
-def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list[float], list[int]]:
-    """(time, unread tokens) at every generation and read: the request's buffer over time."""
-    events = sorted([(t, 1) for t in token_times] + [(t, -1) for t in read_times(token_times, rate)])
-    xs, ys, level = [], [], 0
-    for t, delta in events:
-        level += delta
-        xs.append(t - start)
-        ys.append(level)
-    return xs, ys
+def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list, list]:
+    """(times, unread tokens) at every generation and read: the request's buffer over time."""
+    curve = levels(token_times, read_times(token_times, rate))
+    return [t - start for t, _ in curve], [n for _, n in curve]
 
 
 def plot(runs: list[Run], path: str) -> None:
@@ -566,9 +557,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
                 engine.step()
             spent = 0.0
             for _ in range(steps):
-                start = time.perf_counter()
-                s.schedule()
-                spent += time.perf_counter() - start
+                spent += seconds(s.schedule)
                 for req in s.running:  # what the step would have done: one more token each
                     req.num_computed_tokens = req.num_tokens
                     req.append(0, engine.clock())
@@ -588,8 +577,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
 
 GPU_CHECK_BURST = 32  # requests in --gpu-check's burst: both policies in about a minute on a GPU
 GPU_CHECK_JSON = "gpu-check.json"
-KERNEL_BATCHES, KERNEL_CONTEXTS = (1, 32, 128), (512, 2048, 8192)
-GPU_CHECK_BATCHES = (1, 32, 128)
+KERNEL_BATCHES, KERNEL_CONTEXTS = (1, 32, 128), (512, 2048, 8192)  # decode speed: the same batches
 WARMUP, ITERS = 3, 10
 L2_FLUSH_BYTES = 256 << 20  # written before each timed call, so small inputs are not served from L2
 COPY_BYTES = 1 << 30
@@ -739,11 +727,10 @@ def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
 def bench_decode_speed(device: str = "cuda") -> dict:
     """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor:
     the weights and the batch's KV read once per step at the measured copy rate."""
-    from nanoflow.sim import LLAMA3_8B
+    from nanoflow.sim import LLAMA3_8B as c
     model, peak, rows = random_model(device), copy_bandwidth(), []
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    for batch in GPU_CHECK_BATCHES:
-        c = LLAMA3_8B
+    for batch in KERNEL_BATCHES:
         pool = KVPool(batch * DECODE_CONTEXT // BLOCK_SIZE, c.num_hidden_layers, BLOCK_SIZE,
                       c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
         floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak
@@ -813,8 +800,8 @@ def burst_check(args: argparse.Namespace) -> dict:
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
-    """Each step in order; a step that needs a GPU is skipped without one, and a failure is
-    recorded, never raised, so that one run reports on everything."""
+    """Each step in order; one that needs a GPU is skipped without one; a failure is recorded, not
+    raised, so that one run reports on everything."""
     steps = [("cuda tests", True, run_cuda_tests), ("kernels", True, bench_kernels),
              ("transfers", True, bench_transfers), ("decode", True, bench_decode_speed),
              ("burst", False, lambda: burst_check(args))]
@@ -865,14 +852,11 @@ def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, n
     for n in batch_sizes:
         prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        t = time.perf_counter()
-        llm.generate(prompts, params)
-        ours = n * new_tokens / (time.perf_counter() - t)
-        t = time.perf_counter()
+        ours = n * new_tokens / seconds(lambda: llm.generate(prompts, params))
         with torch.no_grad():
-            hf.generate(torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                        do_sample=False, pad_token_id=0)
-        theirs = n * new_tokens / (time.perf_counter() - t)
+            theirs = n * new_tokens / seconds(lambda: hf.generate(
+                torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0))
         print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
 
@@ -984,7 +968,8 @@ def serving_bench(args: argparse.Namespace) -> None:
               "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
               **({"trace_credit": credit} if args.trace else {})}
     if args.json:
-        write_json(args.json, runs, config)
+        policies = {r.name: r.summary for r in runs}
+        Path(args.json).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
     if args.plot:
         plot(runs, args.plot)
 

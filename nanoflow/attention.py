@@ -122,8 +122,7 @@ def _interpreting() -> bool:
 
 
 def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
-    """(block, slot, head) strides shared by the two cache views; head_dim must be the contiguous
-    one."""
+    """(block, slot, head) strides shared by the two cache views; head_dim must be contiguous."""
     same_pool = k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert same_pool, "K/V caches must be views of one pool"
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -134,8 +133,7 @@ def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
 
 def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  slot_mapping: Tensor) -> None:
-    """Write new K/V [num_tokens, kv_heads, head_dim] into cache views [num_blocks, block_size,
-    kv_heads, head_dim]."""
+    """New K/V [num_tokens, kv_heads, head_dim] into views [num_blocks, block_size, kv_heads, d]."""
     block_size = k_cache.shape[1]
     real = slot_mapping >= 0
     blocks, offsets = slot_mapping[real] // block_size, slot_mapping[real] % block_size
@@ -195,11 +193,8 @@ def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Grouped-query attention in fp32 (torch's fused SDPA; K/V heads are shared, not repeated).
-
-    q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True = may attend)
-    -> [b, n, heads, d].
-    """
+    """Grouped-query attention in fp32 (torch's fused SDPA; K/V heads are shared, not repeated):
+    q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True: may attend) -> like q."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
@@ -230,10 +225,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
 @_jit
 def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
     """Fold one tile of keys/values [BLOCK_N, BLOCK_D] into each query row's running max, sum and
-    output.
-
-    Every row must have an allowed key in its first tile, so that m_i is finite from then on.
-    """
+    output. Every row must have an allowed key in its first tile, so that m_i stays finite."""
     s = tl.where(allowed, _dot(q, tl.trans(k), UPCAST) * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
@@ -444,27 +436,22 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
 # ---------------------------------------------------------------- the whole batch
 
 
-def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                        scale: float) -> Tensor:
-    """The whole flat batch in torch: decodes in one batched call, then each prefill chunk."""
-    return _paged_attention(q, k_cache, v_cache, meta, scale, decode_attention_ref,
-                            extend_attention_ref)
+def _whole_batch(decode, extend):
+    """paged_attention over the flat batch: the decodes in one call, then the prefill chunks."""
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
+               scale: float) -> Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                              meta.seq_lens[:nd], max(meta.seq_lens_list[:nd]), scale)
+        if len(meta.query_lens) > nd:
+            extend(q, k_cache, v_cache, meta, scale, out)
+        return out
+    return attend
 
 
-def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                           scale: float) -> Tensor:
-    """The whole flat batch: one flash-decoding pass for the decodes, one extend launch for all
-    chunks."""
-    return _paged_attention(q, k_cache, v_cache, meta, scale, decode_attention_triton,
-                            extend_attention_triton)
-
-
-def _paged_attention(q, k_cache, v_cache, meta, scale, decode, extend) -> Tensor:
-    out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                          max(meta.seq_lens_list[:nd]), scale)
-    if len(meta.query_lens) > nd:
-        extend(q, k_cache, v_cache, meta, scale, out)
-    return out
+# torch: the decodes in one batched call, then each prefill chunk in turn
+paged_attention_ref = _whole_batch(decode_attention_ref, extend_attention_ref)
+# Triton: one flash-decoding pass for the decodes, one extend launch for every chunk
+paged_attention_triton = _whole_batch(decode_attention_triton, extend_attention_triton)

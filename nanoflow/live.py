@@ -135,10 +135,8 @@ def request_state(req: Request) -> str:
 
 
 def request_row(req: Request, now: float) -> dict:
-    """One request as the page shows it; its buffer is the tokens its reader has not read yet.
-
-    Its reader reads one token every 1/r s until `dry_at`: (dry_at - now) * r - 1 are still unread.
-    """
+    """One request as the page shows it; its buffer is the tokens its reader has not read yet:
+    reading one token every 1/r s until `dry_at`, (dry_at - now) * r - 1 are still unread."""
     lead = req.dry_at - now
     return {"id": req.request_id, "state": request_state(req), "read_rate": req.read_rate,
             "ttft": req.token_times[0] - req.arrival_time if req.started else None,
@@ -149,9 +147,8 @@ def request_row(req: Request, now: float) -> dict:
 
 
 def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], SamplingParams]]:
-    """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}.
-
-    Prompts are random token ids, outputs exactly output_len long."""
+    """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}; prompts are
+    random token ids, outputs exactly output_len long."""
     rates, lengths = body.get("read_rates"), (body.get("prompt_len"), body.get("output_len"))
     if not isinstance(rates, list) or not 1 <= len(rates) <= MAX_BURST:
         raise ValueError(f"`read_rates` must list one rate per request, 1 to {MAX_BURST} of them")

@@ -42,8 +42,7 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
     """TokenFlow §7.1.3: a token generated while the buffer B is <= 10% of the output length weighs
     1, falling linearly to 0 at 20%: a token made long before anyone can read it is worth less."""
     reads = read_times(token_times, rate)
-    low = 0.1 * len(token_times)
-    high = 0.2 * len(token_times)
+    low, high = 0.1 * len(token_times), 0.2 * len(token_times)
     weights, read = [], 0
     for j, t in enumerate(token_times):
         while read < j and reads[read] <= t:
@@ -56,9 +55,7 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
 def qoe(arrival: float, token_times: list[float], rate: float,
         ttft_target: float = TTFT_TARGET) -> float:
     """Andes' QoE: 1 - (reading delay past the ideal schedule) / (time from arrival to each read).
-
-    Token i's ideal read time is arrival + ttft_target + (i-1)/r; a token read earlier than ideal
-    counts as on time.
+    Token i's ideal read time is arrival + ttft_target + (i-1)/r; reading earlier counts as on time.
     """
     reads = read_times(token_times, rate)
     late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(reads))
@@ -93,16 +90,12 @@ def summarize(records: list[RequestRecord], makespan: float) -> dict[str, float]
     tokens = sum(len(r.token_times) for r in done)
     weighted = sum(sum(effective_weights(r.token_times, r.rate)) for r in done)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {
-        "ttft_mean": mean(ttfts), "ttft_p50": percentile(ttfts, 50),
-        "ttft_p99": percentile(ttfts, 99),
-        "tbt_p99": percentile(tbts, 99),
-        "rebuffer_mean": mean(rebuffers), "rebuffer_p99": percentile(rebuffers, 99),
-        "qoe_mean": mean(qoes), "qoe_good_share": mean([q >= 0.95 for q in qoes]),
-        "effective_throughput": weighted / makespan, "throughput": tokens / makespan,
-        "makespan": makespan,
-        "requests": len(records), "completed": len(done),
-    }
+    return {"ttft_mean": mean(ttfts), "ttft_p50": percentile(ttfts, 50),
+            "ttft_p99": percentile(ttfts, 99), "tbt_p99": percentile(tbts, 99),
+            "rebuffer_mean": mean(rebuffers), "rebuffer_p99": percentile(rebuffers, 99),
+            "qoe_mean": mean(qoes), "qoe_good_share": mean([q >= 0.95 for q in qoes]),
+            "effective_throughput": weighted / makespan, "throughput": tokens / makespan,
+            "makespan": makespan, "requests": len(records), "completed": len(done)}
 
 
 # ---------------------------------------------------------------- /metrics, as Prometheus text
@@ -112,9 +105,7 @@ class Histogram:
     """A Prometheus histogram: counts per bucket upper bound, a sum and a count."""
 
     def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name = name
-        self.help = help
-        self.buckets = buckets
+        self.name, self.help, self.buckets = name, help, buckets
         self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self.sum = 0.0
 
@@ -178,8 +169,7 @@ class Metrics:
 
 
 def engine_lines(stats: dict) -> list[str]:
-    """Every numeric engine.stats() key: levels as gauges, the rest as counters; `X_blocks_used`
-    too."""
+    """Every numeric engine.stats() key: levels as gauges, others counters; `X_blocks_used` too."""
     out = []
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

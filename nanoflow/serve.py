@@ -16,6 +16,7 @@ engine live (live.py), fed by `/v1/engine/events`.
 
 import argparse
 import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -130,8 +131,7 @@ def stream_text(req: Request) -> str:
 
 
 class EngineLoop(threading.Thread):
-    """The only thread that touches the Engine; connections talk to it through `submit` and
-    `abort`, and it answers each choice on the choice's own queue (ChoiceDelta)."""
+    """The only thread that touches the Engine; it answers each choice on the choice's queue."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
@@ -194,8 +194,7 @@ class EngineLoop(threading.Thread):
                 self.live.observe(done)
 
     def _take_inbox(self, block: bool) -> bool:
-        """Apply every pending add and abort (waiting for one when idle); False once asked to
-        stop."""
+        """Apply pending adds and aborts (waiting for one when idle); False once asked to stop."""
         wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None  # viewers see an idle engine
         try:
             items = [self.inbox.get(timeout=wait)] if block else []
@@ -236,8 +235,7 @@ class EngineLoop(threading.Thread):
             self._publish(choice, error)
 
     def _publish(self, choice: Choice, error: HTTPError | None = None) -> None:
-        """Send the text the request added since last time; at the end, its finish reason and
-        usage."""
+        """Send the text the request added since last time; at the end, its finish and usage."""
         req = choice.request
         text = stream_text(req)
         sent = choice.sent_tokens
@@ -279,8 +277,7 @@ def check_fields(body: dict, request_id: str) -> None:
         if body.get(name) not in (None, neutral):
             raise HTTPError(400, f"nanoflow does not support `{name}`; leave it out or set it to "
                                  f"{json.dumps(neutral)}", "unsupported_parameter")
-    unknown = sorted(body.keys() - KNOWN_FIELDS)
-    if unknown:
+    if unknown := sorted(body.keys() - KNOWN_FIELDS):
         log.warning("%s: ignoring unknown fields %s", request_id, ", ".join(unknown))
 
 
@@ -305,8 +302,8 @@ def chat_messages(body: dict) -> list[dict]:
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
             raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` (or text parts)")
         if m["role"] not in ROLES:
-            roles = ", ".join(ROLES)
-            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of {roles}")
+            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of "
+                                 f"{', '.join(ROLES)}")
         out.append({"role": ROLES[m["role"]], "content": content})
     return out
 
@@ -350,8 +347,7 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
     if params.max_tokens > room:
         raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
                              f"{len(ids)} and max_tokens asks for {params.max_tokens} more; ask "
-                             f"for at most {room}",
-                        "context_length_exceeded")
+                             f"for at most {room}", "context_length_exceeded")
     return params
 
 
@@ -573,19 +569,12 @@ class Handler(BaseHTTPRequestHandler):
         threading.Thread(target=drain, args=(queues,), daemon=True).start()
         self._send_json(200, {"submitted": len(queues), "requested": len(requests)})
 
-    def chat_completions(self) -> None:
-        self._generate(chat=True)
-
-    def completions(self) -> None:
-        self._generate(chat=False)
-
     def tokenize(self) -> None:
         """vLLM's /tokenize: a `prompt` or chat `messages` to token ids."""
         body, engine = self._read_json(), self.server.engine
-        tokenizer = engine.tokenizer
-        ids = prompt_of(body, tokenizer, chat="messages" in body)
-        strs = [tokenizer.tk.id_to_token(t) for t in ids] if flag(body, "return_token_strs") \
-            else None
+        ids = prompt_of(body, engine.tokenizer, chat="messages" in body)
+        vocab = engine.tokenizer.tk
+        strs = [vocab.id_to_token(t) for t in ids] if flag(body, "return_token_strs") else None
         self._send_json(200, {"count": len(ids), "max_model_len": engine.max_model_len,
                               "tokens": ids, "token_strs": strs})
 
@@ -625,6 +614,9 @@ class Handler(BaseHTTPRequestHandler):
                 for request_id in request_ids:  # frees it now if its client left
                     server.loop.abort(request_id)
 
+    chat_completions = functools.partialmethod(_generate, chat=True)
+    completions = functools.partialmethod(_generate, chat=False)
+
     def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], num_prompt: int,
                 params: list) -> None:
         """Server-Sent Events as OpenAI sends them, one chunk per piece of text as soon as it exists."""
@@ -656,10 +648,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, reply.whole(got, logprobs, usage(num_prompt, finished)))
 
     def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
-        """The deltas of n choices until each has its last; raises ClientGone once the client left.
-
-        A stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment.
-        """
+        """The deltas of n choices until each has its last; ClientGone once the client left. A
+        stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
         quiet_since = time.monotonic()
@@ -780,16 +770,13 @@ def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server with its engine thread and metrics; `start()` serves in the background.
-
-    It may listen before the model has loaded (`attach` brings the engine): /health says 503.
-    """
+    """The HTTP server, its engine thread and metrics; `start()` serves in the background. It may
+    listen before the model has loaded (`attach` brings the engine): /health says 503."""
 
     request_queue_size = 128  # listen backlog: a burst of clients connects at once (the default is 5)
 
     def __init__(self, host: str, port: int, model_names: list[str], api_key: str | None,
-                 max_waiting: int,
-                 allowed_origins: list[str], generation_config: dict):
+                 max_waiting: int, allowed_origins: list[str], generation_config: dict):
         super().__init__((host, port), Handler)
         self.model_names, self.api_key, self.max_waiting = model_names, api_key, max_waiting
         self.allowed_origins, self.generation_config = allowed_origins, generation_config

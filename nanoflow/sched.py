@@ -400,9 +400,9 @@ class Scheduler:
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
         if self.enable_prefix_caching and self.swapper and self.swapper.async_copies and \
-                not self.swapper.backlog():
-            # the host pool is the cache's second tier: while the policy's own copies leave the link
-            # idle, fill it with what the link carries in a step
+                self.swapper.backlog() < seconds:
+            # the host pool is the cache's second tier: while the link would idle within a step
+            # after the policy's own copies, fill it with what the link carries in a step
             link_blocks = int(seconds * self.swapper.bandwidth / self.kv.bytes_per_block)
             self.swapper.write_through(self.running, max(1, link_blocks))
 

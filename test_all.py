@@ -2186,6 +2186,29 @@ def test_tokenflow_admits_what_it_rebalanced_for_first():
     assert not [x for x in starts if not x[0] and x[1]]
 
 
+def test_the_rates_learn_a_steps_own_time_not_the_decisions():
+    """Deciding is charged to the clock, but a slow decision must not read as a slower device: the
+    decode line, hence the capacity estimate, learns from the step's own time (20 ms here)."""
+    engine = sim_engine(toy_cost(), "fcfs")
+    s = engine.scheduler
+    real_schedule, real_after_step, seen = s.schedule, s.after_step, []
+
+    def slow_schedule():
+        out = real_schedule()
+        engine.clock.advance_to(engine.clock() + 1.0)  # a decision that took a whole second
+        return out
+
+    def after_step(seconds, *counts):
+        seen.append(seconds)
+        real_after_step(seconds, *counts)
+
+    s.schedule, s.after_step = slow_schedule, after_step
+    engine.add_request([1] * 8, SamplingParams(max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert seen == pytest.approx([0.02] * 3)
+
+
 def paused_reader(engine, prompt_len: int, host_tokens: int = 0, max_tokens: int = 100):
     """A started request, preempted just now, with host_tokens of its KV on host."""
     s = engine.scheduler

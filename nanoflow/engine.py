@@ -186,11 +186,12 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
-        start = self.clock()
         batch = Batch.of(self.scheduler.schedule())
         if not batch.reqs:
             self.idle()
             return []
+        # the rates learn the step's own time: a decision's cost must not read as a slower device
+        start = self.clock()
         self.wait_for_loads(batch)
         tokens = self.run(batch)
         self.postprocess(batch, tokens)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, to_device
-from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint,
+from .model import (IncrementalDetokenizer, ModelConfig, Shard, Tokenizer, Transformer, demo_checkpoint,
                     generation_config, load_model, sample, token_logprobs)
 from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
@@ -273,7 +274,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
                  read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
                  max_model_len: int | None = None,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = False):
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1):
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -281,19 +283,23 @@ class LLM:
                              f"got {gpu_memory_utilization}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
-        model, self.tokenizer = load_model(ckpt, device, _dtype(dtype))
+        shard = dist.launch(ckpt, device, tensor_parallel_size) if tensor_parallel_size > 1 else Shard()
+        model, self.tokenizer = load_model(ckpt, device, _dtype(dtype), shard)
         self.generation_config = generation_config(ckpt)
         cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, block_size, model.model.layers[0].self_attn.num_kv_heads, cfg.head_dim)
         block_bytes = 2 * math.prod(shape) * dtype.itemsize
         num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes,
                                                           gpu_memory_utilization)
         kv = KVPool(num_kv_blocks, *shape, dtype, device)
-        num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
+        num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes if shard.size == 1 else 0
+        if shard.size > 1:
+            dist.lead(model, kv)
         swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
             if num_host_blocks else None
         scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper, tokenflow)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len, enforce_eager)
+        self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len,
+                             enforce_eager or shard.size > 1)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -75,6 +76,83 @@ class ModelConfig:
         )
 
 
+# ---------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of a tensor-parallel model: rank `rank` of `size`, Megatron's layout.
+
+    Column-parallel weights (q/k/v, gate/up, the vocabulary rows of embed_tokens and lm_head) keep
+    a contiguous range of output rows; row-parallel ones (o_proj, down_proj) the matching input
+    columns, and their partial outputs are summed over the ranks. With fewer KV heads than ranks,
+    each rank keeps the one KV head its query heads read (replicated).
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def part(self, n: int) -> slice:
+        per = -(-n // self.size)
+        return slice(min(self.rank * per, n), min((self.rank + 1) * per, n))
+
+    def kv_heads(self, cfg: ModelConfig) -> slice:
+        kv = cfg.num_key_value_heads
+        if kv >= self.size:
+            return self.part(kv)
+        first = self.rank * kv // self.size
+        return slice(first, first + 1)
+
+    def check(self, cfg: ModelConfig) -> None:
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if heads % self.size or (kv % self.size and self.size % kv):
+            raise ValueError(f"tensor_parallel_size {self.size} must divide the {heads} attention "
+                             f"heads, and divide or be a multiple of the {kv} KV heads")
+
+    def spec(self, name: str, cfg: ModelConfig) -> tuple[int, slice] | None:
+        """(dim, range) of checkpoint tensor `name` that this rank keeps; None: all of it."""
+        def heads(s: slice) -> slice:
+            return slice(s.start * cfg.head_dim, s.stop * cfg.head_dim)
+        kind = name.rsplit(".", 2)[-2]
+        specs = {"q_proj": (0, heads(self.part(cfg.num_attention_heads))),
+                 "k_proj": (0, heads(self.kv_heads(cfg))), "v_proj": (0, heads(self.kv_heads(cfg))),
+                 "gate_proj": (0, self.part(cfg.intermediate_size)),
+                 "up_proj": (0, self.part(cfg.intermediate_size)),
+                 "embed_tokens": (0, self.part(cfg.vocab_size)),
+                 "lm_head": (0, self.part(cfg.vocab_size))}
+        if name.endswith("o_proj.weight"):
+            return 1, heads(self.part(cfg.num_attention_heads))
+        if name.endswith("down_proj.weight"):
+            return 1, self.part(cfg.intermediate_size)
+        return specs.get(kind)
+
+    def take(self, name: str, t, cfg: ModelConfig) -> Tensor:
+        """This rank's slice of a tensor or of a lazy safetensors slice (which reads only that)."""
+        spec = self.spec(name, cfg) if self.size > 1 else None
+        if spec is None:
+            return t[:]
+        out = t[spec[1]] if spec[0] == 0 else t[:, spec[1]]
+        # a view would keep the whole dequantized tensor alive
+        return out.clone() if isinstance(t, Tensor) else out
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+
+def row_parallel(linear: nn.Linear, x: Tensor, shard: Shard) -> Tensor:
+    """A row-parallel projection: partial products summed over the ranks, then the bias once."""
+    if shard.size == 1:
+        return linear(x)
+    y = shard.all_reduce(F.linear(x, linear.weight))
+    return y if linear.bias is None else y + linear.bias
+
+
+def width(s: slice) -> int:
+    return s.stop - s.start
+
+
 # ---------------------------------------------------------------- the forward
 
 
@@ -114,9 +192,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.shard, self.head_dim = shard, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // shard.size
+        self.num_kv_heads = width(shard.kv_heads(cfg))
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias)
@@ -132,27 +212,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         out = paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out.view(n, -1))
+        return row_parallel(self.o_proj, out.view(n, -1), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        inter = width(shard.part(cfg.intermediate_size))
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], meta: AttnMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -160,29 +242,32 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(width(shard.part(cfg.vocab_size)), cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    """Llama / Qwen2 decoder. Parameter names are HuggingFace's, so checkpoints load by name."""
+    """Llama / Qwen2 decoder. Parameter names are HuggingFace's, so checkpoints load by name.
+    Under tensor parallelism every rank runs the same forward on its shard; rank 0 gets the logits."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        self.config = cfg
-        self.model = Backbone(cfg)
+        shard.check(cfg)
+        self.config, self.shard = cfg, shard
+        self.vocab = shard.part(cfg.vocab_size)
+        self.model = Backbone(cfg, shard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, width(self.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 meta: AttnMetadata, logits_indices: Tensor) -> Tensor:
         """Runs the flat batch; returns fp32 logits of the rows in logits_indices only."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None]
         cos = torch.cat((freqs, freqs), -1).cos()[:, None].to(x.dtype)
         sin = torch.cat((freqs, freqs), -1).sin()[:, None].to(x.dtype)
@@ -191,15 +276,35 @@ class Transformer(nn.Module):
         x = self.model.norm(x[logits_indices])
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny shape ~1.5x faster
-        return (head @ x.T).T.float()
+        return self.gather((head @ x.T).T.float())
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its range, zeros elsewhere; summed."""
+        if self.shard.size == 1:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab.start
+        inside = (local >= 0) & (local < width(self.vocab))
+        x = self.model.embed_tokens(local.clamp(0, width(self.vocab) - 1)) * inside[:, None]
+        return self.shard.all_reduce(x)
+
+    def gather(self, logits: Tensor) -> Tensor:
+        """The full vocabulary's logits on rank 0 (each rank holds a padded equal-width range)."""
+        if self.shard.size == 1:
+            return logits
+        per = -(-self.config.vocab_size // self.shard.size)
+        padded = F.pad(logits, (0, per - logits.shape[1]))
+        parts = [torch.empty_like(padded) for _ in range(self.shard.size)] if self.shard.rank == 0 else None
+        dist.gather(padded, parts, dst=0)
+        return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else padded
 
 
 # ---------------------------------------------------------------- weights
 
 
-def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint folder: one model.safetensors, or the shards its index lists."""
-    from safetensors.torch import load_file
+def load_safetensors(ckpt: Path, cfg: ModelConfig, shard: Shard) -> dict[str, Tensor]:
+    """This rank's part of every tensor of a checkpoint folder: one model.safetensors, or the
+    files its index lists; each slice is read on its own, never the whole tensor."""
+    from safetensors import safe_open
 
     index = ckpt / "model.safetensors.index.json"
     if index.exists():
@@ -209,8 +314,9 @@ def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
     else:
         raise FileNotFoundError(f"{ckpt} has neither model.safetensors nor model.safetensors.index.json")
     state = {}
-    for shard in shards:
-        state.update(load_file(ckpt / shard))
+    for file in shards:
+        with safe_open(ckpt / file, "pt") as f:
+            state.update({name: shard.take(name, f.get_slice(name), cfg) for name in f.keys()})
     return state
 
 
@@ -253,8 +359,9 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
-    """Config, dequantized fp32 weights in HuggingFace names, and tokenizer from one GGUF file."""
+def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
+    """Config, this rank's slices of the dequantized fp32 weights in HuggingFace names, and
+    tokenizer from one GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -287,7 +394,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
         w = w.reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute_rope(w, heads if "attn_q" in t.name else cfg.num_key_value_heads)
-        state[_hf_name(t.name)] = w
+        state[_hf_name(t.name)] = shard.take(_hf_name(t.name), w, cfg)
     return cfg, state, tok
 
 
@@ -307,13 +414,13 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtyp
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
-               ) -> tuple[Transformer, "Tokenizer"]:
+def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None,
+               shard: Shard = Shard()) -> tuple[Transformer, "Tokenizer"]:
     """A ready model and tokenizer from a checkpoint folder or GGUF file."""
     ckpt = Path(ckpt)
     ckpt_dtype = None  # a GGUF's weights are quantized: no dtype to keep
     if ckpt.suffix == ".gguf":
-        cfg, state, tok = read_gguf(ckpt)
+        cfg, state, tok = read_gguf(ckpt, shard)
     else:
         if not (ckpt / "config.json").exists():
             raise FileNotFoundError(f"{ckpt} is neither a .gguf file nor a folder with config.json")
@@ -322,10 +429,10 @@ def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
         cfg = ModelConfig.from_hf(hf_config)
         tok = Tokenizer.from_folder(ckpt, cfg.eos_token_ids)
         cfg.eos_token_ids = tok.eos_token_ids
-        state = load_safetensors(ckpt)
+        state = load_safetensors(ckpt, cfg, shard)
     dtype = dtype or auto_dtype(device, ckpt_dtype)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, shard)
     model.to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     load_weights(model, state, dtype)

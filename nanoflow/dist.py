@@ -1,0 +1,126 @@
+"""Tensor parallelism: one process per rank over torch.distributed (NCCL on GPUs, gloo on CPUs).
+
+Rank 0 is the process that builds the `LLM`: it runs the scheduler, the server and the sampler.
+`launch` starts one worker process per other rank; `lead` then tells the workers the weights'
+dtype and the KV pool's size, and makes every forward of rank 0's model first broadcast its inputs
+(token ids, positions, the attention metadata with block tables and slot mapping). Each worker
+(`worker`) holds only its shard of the weights (model.py's `Shard`) and a KV pool with the same
+block ids for its own KV heads, and runs the same forward; rank 0 gets the logits. Swapping to
+host memory is not mirrored on the workers, so tensor parallelism resumes by recompute only.
+A worker that dies ends rank 0 within seconds with a message naming it; a worker whose rank 0 is
+gone exits; SIGINT is rank 0's to handle, which then ends the workers.
+"""
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .kv import KVPool
+from .model import Shard, Transformer, load_model
+
+WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its workers and a worker its parent
+JOIN_TIMEOUT_S = 10.0  # a worker that does not stop within this is killed
+workers: list = []  # rank 0's worker processes
+control = None  # a gloo group for the step messages, whatever the backend of the collectives
+
+
+def launch(ckpt, device: torch.device, size: int) -> Shard:
+    """Start ranks 1..size-1 and join them in one process group as rank 0."""
+    global control
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    for rank in range(1, size):
+        p = ctx.Process(target=worker, args=(rank, size, init_method, str(ckpt), str(device), os.getpid()),
+                        daemon=True, name=f"nanoflow-rank{rank}")
+        p.start()
+        workers.append(p)
+    _init(0, size, init_method, device)
+    control = dist.new_group(backend="gloo")
+    threading.Thread(target=_watch_workers, daemon=True).start()
+    return Shard(0, size)
+
+
+def lead(model: Transformer, kv: KVPool) -> None:
+    """Give the workers the pool's shape; from now on each forward of `model` runs on every rank."""
+    _broadcast((model.model.embed_tokens.weight.dtype, kv.num_blocks, kv.block_size))
+
+    def broadcast_inputs(_, args):
+        input_ids, positions, _caches, meta, logits_indices = args
+        _broadcast((input_ids, positions, meta, logits_indices))
+    model.register_forward_pre_hook(broadcast_inputs)
+
+
+def shutdown() -> None:
+    """Stop the workers and leave the process group (rank 0)."""
+    if not workers:
+        return
+    procs = list(workers)
+    # first, so that the watchdog does not take these exits for deaths
+    workers.clear()
+    _broadcast(None)
+    for p in procs:
+        p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+    dist.destroy_process_group()
+
+
+def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, parent: int) -> None:
+    """Rank `rank`: load this shard, then run every forward rank 0 broadcasts until told to stop."""
+    # Ctrl-C reaches the whole process group; rank 0 decides, then stops its workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    device = torch.device(device)
+    _init(rank, size, init_method, device)
+    global control
+    control = dist.new_group(backend="gloo")
+    dtype, num_blocks, block_size = _broadcast()
+    model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
+    cfg = model.config
+    kv = KVPool(num_blocks, cfg.num_hidden_layers, block_size, model.model.layers[0].self_attn.num_kv_heads,
+                cfg.head_dim, dtype, device)
+    caches = kv.layer_caches()
+    while (step := _broadcast()) is not None:
+        input_ids, positions, meta, logits_indices = step
+        model(input_ids, positions, caches, meta, logits_indices)
+    dist.destroy_process_group()
+
+
+def _init(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+
+
+def _broadcast(obj=None):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def _watch_workers() -> None:
+    while workers:
+        for p in list(workers):
+            if p.exitcode is not None and p in workers:
+                print(f"nanoflow: tensor-parallel worker {p.name} (pid {p.pid}) died with exit code "
+                      f"{p.exitcode}; stopping", file=sys.stderr, flush=True)
+                for other in workers:
+                    other.kill()
+                os._exit(1)
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_INTERVAL_S)
+    os._exit(1)

@@ -883,6 +883,45 @@ def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
         assert stats["blocks_written_through"] > 0 and stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0
 
 
+@contextlib.contextmanager
+def tensor_parallel(path, size: int = 2, **kwargs):
+    """An LLM whose other ranks run in worker processes, stopped (and checked gone) on leaving."""
+    from nanoflow import dist
+
+    llm = LLM(path, device="cpu", tensor_parallel_size=size, **kwargs)
+    procs = list(dist.workers)
+    try:
+        yield llm
+    finally:
+        dist.shutdown()
+        assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 2), ("qwen2", 1), ("llama", 4)])
+def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
+    """TP=2 against TP=1 on the same checkpoint; kv_heads 1: both ranks keep the one KV head."""
+    write_checkpoint(tmp_path, arch, num_key_value_heads=kv_heads)
+    prompt = random_prompts(1, TINY["vocab_size"], seed=20, lengths=(40, 40))[0]
+    expected = engine_logits(LLM(tmp_path, device="cpu", num_kv_blocks=8), prompt)
+    with tensor_parallel(tmp_path, num_kv_blocks=8) as llm:
+        assert llm.engine.kv.kv_cache.shape[-2] == max(1, kv_heads // 2)
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_greedy_matches_one_rank(tiny):
+    """Batching, chunked prefill (24-token budget) and forced preemptions resumed by recompute."""
+    path, _ = tiny
+    prompts = random_prompts(4, TINY["vocab_size"], seed=21, lengths=(10, 50))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, params)]
+    with tensor_parallel(path, num_kv_blocks=64, max_num_batched_tokens=24,
+                         policy=Forced(3, "recompute")) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.stats()["resumes_recompute"] >= len(prompts)
+
+
 def test_host_pool_too_small_falls_back_to_recompute(tiny):
     path, _ = tiny
     prompts = random_prompts(4, TINY["vocab_size"], seed=11, lengths=(30, 60))

@@ -11,6 +11,7 @@ A worker that dies ends rank 0 within seconds with a message naming it; a worker
 gone exits; SIGINT is rank 0's to handle, which then ends the workers.
 """
 
+import datetime
 import os
 import signal
 import socket
@@ -26,7 +27,9 @@ from .kv import KVPool
 from .model import Shard, Transformer, load_model
 
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its workers and a worker its parent
-JOIN_TIMEOUT_S = 10.0  # a worker that does not stop within this is killed
+JOIN_TIMEOUT_S = 10.0
+# workers wait for the next step as long as the server idles; deaths are caught by the watchdogs
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker that does not stop within this is killed
 workers: list = []  # rank 0's worker processes
 control = None  # a gloo group for the step messages, whatever the backend of the collectives
 
@@ -43,9 +46,9 @@ def launch(ckpt, device: torch.device, size: int) -> Shard:
                         daemon=True, name=f"nanoflow-rank{rank}")
         p.start()
         workers.append(p)
-    _init(0, size, init_method, device)
-    control = dist.new_group(backend="gloo")
     threading.Thread(target=_watch_workers, daemon=True).start()
+    _init(0, size, init_method, device)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return Shard(0, size)
 
 
@@ -82,7 +85,7 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, paren
     device = torch.device(device)
     _init(rank, size, init_method, device)
     global control
-    control = dist.new_group(backend="gloo")
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     dtype, num_blocks, block_size = _broadcast()
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
     cfg = model.config

@@ -334,6 +334,7 @@ def engine_factory(args: argparse.Namespace, w: Workload):
                                  charge_scheduler=not args.uncharged)
         return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
     options = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                   tensor_parallel_size=args.tensor_parallel_size,
                    num_kv_blocks=blocks, host_kv_gb=args.host_kv_gb, block_size=BLOCK_SIZE,
                    max_num_batched_tokens=args.max_num_batched_tokens, tokenflow=args.tokenflow_config)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -861,6 +862,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     add("--device", help="cuda or cpu (default: cuda when available)")
     add("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    add("--tensor-parallel-size", type=int, default=1, help="ranks splitting the model (default: 1)")
     add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's on "
         "GPU; nanoflow.model.CPU_DTYPE on CPU) (default: %(default)s)")
     add("--num-kv-blocks", type=int, help=f"device KV blocks of {BLOCK_SIZE} tokens")

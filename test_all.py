@@ -1815,6 +1815,63 @@ def test_sigterm_drains_streams_and_exits_0(ckpt):
         proc.kill()
 
 
+def process_state(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a process from /proc; None once it is gone."""
+    with contextlib.suppress(OSError):
+        text = open(f"/proc/{pid}/stat").read()
+        state, ppid = text[text.rindex(")") + 2:].split()[:2]
+        return int(ppid), state
+    return None
+
+
+def live_children(pid: int) -> list[int]:
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if (st := process_state(p)) and st[0] == pid and st[1] != "Z"]
+
+
+def start_tp_server(ckpt) -> tuple[subprocess.Popen, http.client.HTTPConnection]:
+    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port", "0",
+                             "--device", "cpu", "--num-kv-blocks", "64", "--tensor-parallel-size", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    proc.stdout.readline()
+    line = proc.stdout.readline()
+    assert "serving" in line, proc.stderr.read()
+    host, port = line.split("http://")[1].split("/")[0].split(":")
+    return proc, http.client.HTTPConnection(host, int(port), timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["kill a worker", "sigint"])
+def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
+    """A chat answer streams from two ranks; a dead worker ends the server within seconds with an
+    error naming it; SIGINT ends it with 0; either way no process of it is left."""
+    proc, conn = start_tp_server(ckpt)
+    kids = live_children(proc.pid)
+    try:
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        chunks = [c for _, c in sse(conn.getresponse())]
+        assert chunks[-1] == "[DONE]" and len(chunks) > 2
+        if end == "sigint":
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        else:
+            [worker] = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+            os.kill(worker, signal.SIGKILL)
+            assert proc.wait(timeout=10) != 0
+            assert f"worker nanoflow-rank1 (pid {worker}) died" in proc.stderr.read()
+        deadline = time.monotonic() + 10
+        while any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert kids and all((process_state(k) or "ZZ")[1] == "Z" for k in kids)
+    finally:
+        proc.kill()
+        for k in kids:
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------- readers, metrics, the tokenflow policy, the simulator
 
 from nanoflow.metrics import (RequestRecord, effective_weights, qoe, read_times,  # noqa: E402

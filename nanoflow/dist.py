@@ -35,8 +35,10 @@ control = None  # a gloo group for the step messages, whatever the backend of th
 
 
 def launch(ckpt, device: torch.device, size: int) -> Shard:
-    """Start ranks 1..size-1 and join them in one process group as rank 0."""
+    """Start ranks 1..size-1 and join them in one process group as rank 0 (one tensor-parallel
+    LLM per process: a new one replaces the last)."""
     global control
+    shutdown()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from . import dist
 from .engine import LLM, Engine
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import RequestRecord, rebuffer_time
@@ -79,7 +80,7 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader 
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
                "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "gpu_memory_utilization", "enforce_eager")  # CLI flags for LLM(...)
+               "gpu_memory_utilization", "enforce_eager", "tensor_parallel_size")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):
@@ -976,6 +977,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of the GPU for weights + KV cache (default: 0.9)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA graphs: every step runs eagerly (on a CPU it always does)")
+    p.add_argument("--tensor-parallel-size", type=int, help="ranks (processes, one GPU each) that "
+                   "split every layer's heads and weights (default: 1)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks in device memory (default: what free memory holds)")
     p.add_argument("--host-kv-gb", type=float, help="host memory for KV swapped out of the device, in GB")
     p.add_argument("--read-rate", type=float, help="tokens/s a request's reader reads when the request declares "
@@ -1020,6 +1023,7 @@ def main(argv: list[str] | None = None) -> None:
              args.shutdown_timeout)
     finished, cut = server.shutdown(args.shutdown_timeout)
     log.info("shut down: %d requests finished, %d cut", finished, cut)
+    dist.shutdown()
 
 
 if __name__ == "__main__":

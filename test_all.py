@@ -910,16 +910,18 @@ def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
 
 
 @pytest.mark.timeout(180)
-def test_tensor_parallel_greedy_matches_one_rank(tiny):
-    """Batching, chunked prefill (24-token budget) and forced preemptions resumed by recompute."""
+@pytest.mark.parametrize("resume", ["recompute", "load"])
+def test_tensor_parallel_greedy_matches_one_rank(tiny, resume):
+    """Batching, chunked prefill (24-token budget) and forced preemptions resumed by recompute or
+    by loads of what every rank wrote through to its own host pool."""
     path, _ = tiny
     prompts = random_prompts(4, TINY["vocab_size"], seed=21, lengths=(10, 50))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, params)]
-    with tensor_parallel(path, num_kv_blocks=64, max_num_batched_tokens=24,
-                         policy=Forced(3, "recompute")) as llm:
+    with tensor_parallel(path, num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                         policy=Forced(3, resume)) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-        assert llm.stats()["resumes_recompute"] >= len(prompts)
+        assert llm.stats()[f"resumes_{resume}"] >= len(prompts)
 
 
 def test_host_pool_too_small_falls_back_to_recompute(tiny):

@@ -2,11 +2,11 @@
 
 Rank 0 is the process that builds the `LLM`: it runs the scheduler, the server and the sampler.
 `launch` starts one worker process per other rank; `lead` then tells the workers the weights'
-dtype and the KV pool's size, and makes every forward of rank 0's model first broadcast its inputs
-(token ids, positions, the attention metadata with block tables and slot mapping). Each worker
-(`worker`) holds only its shard of the weights (model.py's `Shard`) and a KV pool with the same
-block ids for its own KV heads, and runs the same forward; rank 0 gets the logits. Swapping to
-host memory is not mirrored on the workers, so tensor parallelism resumes by recompute only.
+dtype and the KV pools' sizes, and makes every forward of rank 0's model and every copy of its
+swapper first broadcast its inputs (token ids, positions, the attention metadata with block tables
+and slot mapping; the block ids to copy). Each worker (`worker`) holds only its shard of the
+weights (model.py's `Shard`) and device and host KV pools with the same block ids for its own KV
+heads; it runs the same forward (rank 0 gets the logits) and the same copies, to completion.
 A worker that dies ends rank 0 within seconds with a message naming it; a worker whose rank 0 is
 gone exits; SIGINT is rank 0's to handle, which then ends the workers.
 """
@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from .kv import KVPool
 from .model import Shard, Transformer, load_model
+from .swap import Swapper
 
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its workers and a worker its parent
 JOIN_TIMEOUT_S = 10.0
@@ -54,14 +55,25 @@ def launch(ckpt, device: torch.device, size: int) -> Shard:
     return Shard(0, size)
 
 
-def lead(model: Transformer, kv: KVPool) -> None:
-    """Give the workers the pool's shape; from now on each forward of `model` runs on every rank."""
-    _broadcast((model.model.embed_tokens.weight.dtype, kv.num_blocks, kv.block_size))
+def lead(model: Transformer, kv: KVPool, swapper: Swapper | None) -> None:
+    """Give the workers the pools' shapes; from now on each forward of `model` and each copy of
+    `swapper` runs on every rank."""
+    num_host_blocks = swapper.host.num_blocks if swapper else 0
+    _broadcast((model.model.embed_tokens.weight.dtype, kv.num_blocks, kv.block_size, num_host_blocks))
 
     def broadcast_inputs(_, args):
         input_ids, positions, _caches, meta, logits_indices = args
-        _broadcast((input_ids, positions, meta, logits_indices))
+        _broadcast(("forward", (input_ids, positions, meta, logits_indices)))
     model.register_forward_pre_hook(broadcast_inputs)
+    for name in ("_to_host", "_to_device") if swapper else ():
+        setattr(swapper, name, _mirrored(name, getattr(swapper, name)))
+
+
+def _mirrored(name: str, copy):
+    def broadcast_then_copy(*args):
+        _broadcast((name, args))
+        return copy(*args)
+    return broadcast_then_copy
 
 
 def shutdown() -> None:
@@ -88,15 +100,21 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, paren
     _init(rank, size, init_method, device)
     global control
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    dtype, num_blocks, block_size = _broadcast()
+    dtype, num_blocks, block_size, num_host_blocks = _broadcast()
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
     cfg = model.config
-    kv = KVPool(num_blocks, cfg.num_hidden_layers, block_size, model.model.layers[0].self_attn.num_kv_heads,
-                cfg.head_dim, dtype, device)
+    shape = (cfg.num_hidden_layers, block_size, model.model.layers[0].self_attn.num_kv_heads, cfg.head_dim)
+    kv = KVPool(num_blocks, *shape, dtype, device)
+    swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) if num_host_blocks else None
     caches = kv.layer_caches()
-    while (step := _broadcast()) is not None:
-        input_ids, positions, meta, logits_indices = step
-        model(input_ids, positions, caches, meta, logits_indices)
+    while (msg := _broadcast()) is not None:
+        name, args = msg
+        if name == "forward":
+            model(args[0], args[1], caches, *args[2:])
+        else:
+            getattr(swapper, name)(*args)
+            # rank 0 orders its copies with events; a worker simply finishes each one
+            swapper.complete_all()
     dist.destroy_process_group()
 
 

@@ -292,11 +292,11 @@ class LLM:
         num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes,
                                                           gpu_memory_utilization)
         kv = KVPool(num_kv_blocks, *shape, dtype, device)
-        num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes if shard.size == 1 else 0
-        if shard.size > 1:
-            dist.lead(model, kv)
+        num_host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
         swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) \
             if num_host_blocks else None
+        if shard.size > 1:
+            dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, time.monotonic, policy, swapper, tokenflow)
         self.engine = Engine(model, cfg, self.tokenizer, scheduler, read_rate, max_model_len,
                              enforce_eager or shard.size > 1)

@@ -111,20 +111,18 @@ class Shard:
 
     def spec(self, name: str, cfg: ModelConfig) -> tuple[int, slice] | None:
         """(dim, range) of checkpoint tensor `name` that this rank keeps; None: all of it."""
-        def heads(s: slice) -> slice:
-            return slice(s.start * cfg.head_dim, s.stop * cfg.head_dim)
-        kind = name.rsplit(".", 2)[-2]
-        specs = {"q_proj": (0, heads(self.part(cfg.num_attention_heads))),
-                 "k_proj": (0, heads(self.kv_heads(cfg))), "v_proj": (0, heads(self.kv_heads(cfg))),
-                 "gate_proj": (0, self.part(cfg.intermediate_size)),
-                 "up_proj": (0, self.part(cfg.intermediate_size)),
-                 "embed_tokens": (0, self.part(cfg.vocab_size)),
-                 "lm_head": (0, self.part(cfg.vocab_size))}
-        if name.endswith("o_proj.weight"):
-            return 1, heads(self.part(cfg.num_attention_heads))
-        if name.endswith("down_proj.weight"):
-            return 1, self.part(cfg.intermediate_size)
-        return specs.get(kind)
+        d = cfg.head_dim
+        heads, kv = self.part(cfg.num_attention_heads), self.kv_heads(cfg)
+        q, k = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
+        ffn, vocab = self.part(cfg.intermediate_size), self.part(cfg.vocab_size)
+        rows = {"q_proj": q, "k_proj": k, "v_proj": k, "gate_proj": ffn, "up_proj": ffn,
+                "embed_tokens": vocab, "lm_head": vocab}
+        columns = {"o_proj": q, "down_proj": ffn}
+        module, param = name.split(".")[-2:]
+        if module in rows:
+            return 0, rows[module]
+        # a row-parallel bias is added once, after the sum: every rank keeps all of it
+        return (1, columns[module]) if module in columns and param == "weight" else None
 
     def take(self, name: str, t, cfg: ModelConfig) -> Tensor:
         """This rank's slice of a tensor or of a lazy safetensors slice (which reads only that)."""

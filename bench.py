@@ -862,7 +862,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     add("--device", help="cuda or cpu (default: cuda when available)")
     add("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    add("--tensor-parallel-size", type=int, default=1, help="ranks splitting the model (default: 1)")
+    add("--tensor-parallel-size", type=int, default=1, help="ranks splitting the model")
     add("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's on "
         "GPU; nanoflow.model.CPU_DTYPE on CPU) (default: %(default)s)")
     add("--num-kv-blocks", type=int, help=f"device KV blocks of {BLOCK_SIZE} tokens")

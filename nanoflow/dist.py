@@ -1,14 +1,11 @@
 """Tensor parallelism: one process per rank over torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-Rank 0 is the process that builds the `LLM`: it runs the scheduler, the server and the sampler.
-`launch` starts one worker process per other rank; `lead` then tells the workers the weights'
-dtype and the KV pools' sizes, and makes every forward of rank 0's model and every copy of its
-swapper first broadcast its inputs (token ids, positions, the attention metadata with block tables
-and slot mapping; the block ids to copy). Each worker (`worker`) holds only its shard of the
-weights (model.py's `Shard`) and device and host KV pools with the same block ids for its own KV
-heads; it runs the same forward (rank 0 gets the logits) and the same copies, to completion.
-A worker that dies ends rank 0 within seconds with a message naming it; a worker whose rank 0 is
-gone exits; SIGINT is rank 0's to handle, which then ends the workers.
+Rank 0, the process that builds the `LLM`, runs the scheduler, server and sampler; `launch` starts
+one worker per other rank. Each forward of rank 0's model and each copy of its swapper first
+broadcasts its inputs (token ids, positions, block tables, slot mapping; block ids to copy), and
+every worker, holding its shard of the weights and KV pools with the same block ids for its own
+KV heads, runs the same. A dead worker ends rank 0 within a second, naming it; a worker whose rank
+0 is gone exits; SIGINT is rank 0's to handle.
 """
 
 import datetime
@@ -28,9 +25,9 @@ from .model import Shard, Transformer, load_model
 from .swap import Swapper
 
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its workers and a worker its parent
-JOIN_TIMEOUT_S = 10.0
+JOIN_TIMEOUT_S = 10.0  # a worker that does not stop within this is killed
 # workers wait for the next step as long as the server idles; deaths are caught by the watchdogs
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker that does not stop within this is killed
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 workers: list = []  # rank 0's worker processes
 control = None  # a gloo group for the step messages, whatever the backend of the collectives
 
@@ -38,20 +35,18 @@ control = None  # a gloo group for the step messages, whatever the backend of th
 def launch(ckpt, device: torch.device, size: int) -> Shard:
     """Start ranks 1..size-1 and join them in one process group as rank 0 (one tensor-parallel
     LLM per process: a new one replaces the last)."""
-    global control
     shutdown()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     for rank in range(1, size):
-        p = ctx.Process(target=worker, args=(rank, size, init_method, str(ckpt), str(device), os.getpid()),
-                        daemon=True, name=f"nanoflow-rank{rank}")
+        args = (rank, size, init_method, str(ckpt), str(device), os.getpid())
+        p = ctx.Process(target=worker, args=args, daemon=True, name=f"nanoflow-rank{rank}")
         p.start()
         workers.append(p)
     threading.Thread(target=_watch_workers, daemon=True).start()
     _init(0, size, init_method, device)
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return Shard(0, size)
 
 
@@ -59,7 +54,7 @@ def lead(model: Transformer, kv: KVPool, swapper: Swapper | None) -> None:
     """Give the workers the pools' shapes; from now on each forward of `model` and each copy of
     `swapper` runs on every rank."""
     num_host_blocks = swapper.host.num_blocks if swapper else 0
-    _broadcast((model.model.embed_tokens.weight.dtype, kv.num_blocks, kv.block_size, num_host_blocks))
+    _broadcast((kv.kv_cache.dtype, kv.num_blocks, kv.block_size, num_host_blocks))
 
     def broadcast_inputs(_, args):
         input_ids, positions, _caches, meta, logits_indices = args
@@ -98,14 +93,12 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, paren
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     device = torch.device(device)
     _init(rank, size, init_method, device)
-    global control
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     dtype, num_blocks, block_size, num_host_blocks = _broadcast()
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
-    cfg = model.config
-    shape = (cfg.num_hidden_layers, block_size, model.model.layers[0].self_attn.num_kv_heads, cfg.head_dim)
+    shape = model.kv_block_shape(block_size)
     kv = KVPool(num_blocks, *shape, dtype, device)
-    swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True)) if num_host_blocks else None
+    host = KVPool(num_host_blocks, *shape, dtype, device, host=True) if num_host_blocks else None
+    swapper = Swapper(kv, host) if host else None
     caches = kv.layer_caches()
     while (msg := _broadcast()) is not None:
         name, args = msg
@@ -119,10 +112,12 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, paren
 
 
 def _init(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    global control
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def _broadcast(obj=None):
@@ -135,8 +130,8 @@ def _watch_workers() -> None:
     while workers:
         for p in list(workers):
             if p.exitcode is not None and p in workers:
-                print(f"nanoflow: tensor-parallel worker {p.name} (pid {p.pid}) died with exit code "
-                      f"{p.exitcode}; stopping", file=sys.stderr, flush=True)
+                print(f"nanoflow: tensor-parallel worker {p.name} (pid {p.pid}) died with exit "
+                      f"code {p.exitcode}; stopping", file=sys.stderr, flush=True)
                 for other in workers:
                     other.kill()
                 os._exit(1)

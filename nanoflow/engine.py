@@ -19,8 +19,8 @@ import torch
 from . import dist
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, to_device
-from .model import (IncrementalDetokenizer, ModelConfig, Shard, Tokenizer, Transformer, demo_checkpoint,
-                    generation_config, load_model, sample, token_logprobs)
+from .model import (IncrementalDetokenizer, ModelConfig, Shard, Tokenizer, Transformer,
+                    demo_checkpoint, generation_config, load_model, sample, token_logprobs)
 from .sched import POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
 
@@ -274,8 +274,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, host_kv_gb: float = 4.0,
                  read_rate: float = DEFAULT_READ_RATE, tokenflow: TokenFlowConfig | None = None,
                  max_model_len: int | None = None,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1):
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                 enforce_eager: bool = False, tensor_parallel_size: int = 1):
         if isinstance(policy, str) and policy not in POLICIES:  # before the model loads: a typo should fail fast
             raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -283,11 +283,12 @@ class LLM:
                              f"got {gpu_memory_utilization}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
-        shard = dist.launch(ckpt, device, tensor_parallel_size) if tensor_parallel_size > 1 else Shard()
+        tp = tensor_parallel_size
+        shard = dist.launch(ckpt, device, tp) if tp > 1 else Shard()
         model, self.tokenizer = load_model(ckpt, device, _dtype(dtype), shard)
         self.generation_config = generation_config(ckpt)
         cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, block_size, model.model.layers[0].self_attn.num_kv_heads, cfg.head_dim)
+        shape = model.kv_block_shape(block_size)
         block_bytes = 2 * math.prod(shape) * dtype.itemsize
         num_kv_blocks = num_kv_blocks or _blocks_that_fit(device, block_bytes,
                                                           gpu_memory_utilization)

@@ -133,17 +133,13 @@ class Shard:
         # a view would keep the whole dequantized tensor alive
         return out.clone() if isinstance(t, Tensor) else out
 
-    def all_reduce(self, x: Tensor) -> Tensor:
-        if self.size > 1:
-            dist.all_reduce(x)
-        return x
-
 
 def row_parallel(linear: nn.Linear, x: Tensor, shard: Shard) -> Tensor:
     """A row-parallel projection: partial products summed over the ranks, then the bias once."""
     if shard.size == 1:
         return linear(x)
-    y = shard.all_reduce(F.linear(x, linear.weight))
+    y = F.linear(x, linear.weight)
+    dist.all_reduce(y)
     return y if linear.bias is None else y + linear.bias
 
 
@@ -249,7 +245,7 @@ class Backbone(nn.Module):
 
 class Transformer(nn.Module):
     """Llama / Qwen2 decoder. Parameter names are HuggingFace's, so checkpoints load by name.
-    Under tensor parallelism every rank runs the same forward on its shard; rank 0 gets the logits."""
+    Under tensor parallelism every rank runs the same forward on its shard; rank 0 gets logits."""
 
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
@@ -276,6 +272,11 @@ class Transformer(nn.Module):
         # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny shape ~1.5x faster
         return self.gather((head @ x.T).T.float())
 
+    def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int]:
+        """(layers, block_size, this rank's KV heads, head_dim): one KV block's shape here."""
+        attn = self.model.layers[0].self_attn
+        return self.config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim
+
     def embed(self, input_ids: Tensor) -> Tensor:
         """Vocab-parallel lookup: each rank embeds the ids in its range, zeros elsewhere; summed."""
         if self.shard.size == 1:
@@ -283,7 +284,8 @@ class Transformer(nn.Module):
         local = input_ids - self.vocab.start
         inside = (local >= 0) & (local < width(self.vocab))
         x = self.model.embed_tokens(local.clamp(0, width(self.vocab) - 1)) * inside[:, None]
-        return self.shard.all_reduce(x)
+        dist.all_reduce(x)
+        return x
 
     def gather(self, logits: Tensor) -> Tensor:
         """The full vocabulary's logits on rank 0 (each rank holds a padded equal-width range)."""
@@ -291,7 +293,8 @@ class Transformer(nn.Module):
             return logits
         per = -(-self.config.vocab_size // self.shard.size)
         padded = F.pad(logits, (0, per - logits.shape[1]))
-        parts = [torch.empty_like(padded) for _ in range(self.shard.size)] if self.shard.rank == 0 else None
+        rank, size = self.shard.rank, self.shard.size
+        parts = [torch.empty_like(padded) for _ in range(size)] if rank == 0 else None
         dist.gather(padded, parts, dst=0)
         return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else padded
 

@@ -80,7 +80,8 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader 
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
                "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "gpu_memory_utilization", "enforce_eager", "tensor_parallel_size")  # CLI flags for LLM(...)
+               "gpu_memory_utilization", "enforce_eager",
+               "tensor_parallel_size")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):

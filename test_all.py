@@ -2188,6 +2188,21 @@ def test_resumed_request_joins_when_its_load_is_done_and_nobody_waits_for_it():
     assert b.num_output_tokens > a.num_output_tokens + 40  # ...while b went on
 
 
+@pytest.mark.parametrize("preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9),
+                                                 ("4x4090-qwen2.5-32b", 4, 24e9)])
+def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
+    from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
+
+    cost = PRESETS[preset]()
+    assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, 2)
+    # a rank holds 1/N of the bf16 weights, and they fit its card beside its KV pool
+    weights = cost.weights_read_s / cost.per_kv_token_s * cost.kv_bytes_per_token
+    assert weights == pytest.approx(32.5e9 * 2 / gpus)
+    assert weights + cost.num_kv_blocks * cost.block_size * cost.kv_bytes_per_token < 0.9 * memory
+    reqs = drive(sim_engine(preset, "tokenflow"), burst(20, rate=8.0))
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+
+
 def test_simulated_eviction_frees_device_blocks_when_its_copy_is_done():
     engine = sim_engine(toy_cost(), "tokenflow")
     s = engine.scheduler

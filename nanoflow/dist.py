@@ -1,13 +1,12 @@
 """Tensor parallelism: one process per rank over torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-Rank 0, the process that builds the `LLM`, runs the scheduler, server and sampler; `launch` starts
-one worker per other rank. Each forward of rank 0's model and each copy of its swapper first
-broadcasts its inputs (token ids, positions, block tables, slot mapping; block ids to copy), and
-every worker, holding its shard of the weights and KV pools with the same block ids for its own
-KV heads, runs the same. A dead worker ends rank 0 within a second, naming it; a worker whose rank
-0 is gone exits; SIGINT is rank 0's to handle.
+Rank 0 (the `LLM`'s process: scheduler, server, sampler) starts a worker per other rank (rank r on
+cuda:r). Rank 0 broadcasts the inputs of each forward and swap copy; every worker, with its shard of
+the weights and KV pools of the same block ids for its own KV heads, runs the same. A dead worker
+ends rank 0 within a second, naming it; a worker whose rank 0 is gone exits; SIGINT is rank 0's.
 """
 
+import dataclasses
 import datetime
 import os
 import signal
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .attention import AttnMetadata
 from .kv import KVPool
 from .model import Shard, Transformer, load_model
 from .swap import Swapper
@@ -41,7 +41,8 @@ def launch(ckpt, device: torch.device, size: int) -> Shard:
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     for rank in range(1, size):
-        args = (rank, size, init_method, str(ckpt), str(device), os.getpid())
+        # no device index: a worker's "cuda" is its current device, cuda:rank
+        args = (rank, size, init_method, str(ckpt), torch.device(device.type), os.getpid())
         p = ctx.Process(target=worker, args=args, daemon=True, name=f"nanoflow-rank{rank}")
         p.start()
         workers.append(p)
@@ -86,12 +87,11 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
-def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, parent: int) -> None:
+def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.device, parent: int):
     """Rank `rank`: load this shard, then run every forward rank 0 broadcasts until told to stop."""
     # Ctrl-C reaches the whole process group; rank 0 decides, then stops its workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    device = torch.device(device)
     _init(rank, size, init_method, device)
     dtype, num_blocks, block_size, num_host_blocks = _broadcast()
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
@@ -103,7 +103,8 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: str, paren
     while (msg := _broadcast()) is not None:
         name, args = msg
         if name == "forward":
-            model(args[0], args[1], caches, *args[2:])
+            input_ids, positions, meta, logits_indices = (_on(x, device) for x in args)
+            model(input_ids, positions, caches, meta, logits_indices)
         else:
             getattr(swapper, name)(*args)
             # rank 0 orders its copies with events; a worker simply finishes each one
@@ -118,6 +119,13 @@ def _init(rank: int, size: int, init_method: str, device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def _on(x, device: torch.device):
+    """x on this rank's device (a pickled CUDA tensor arrives on the device it left)."""
+    if isinstance(x, AttnMetadata):
+        return dataclasses.replace(x, **{k: _on(v, device) for k, v in vars(x).items()})
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def _broadcast(obj=None):

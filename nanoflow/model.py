@@ -98,10 +98,8 @@ class Shard:
 
     def kv_heads(self, cfg: ModelConfig) -> slice:
         kv = cfg.num_key_value_heads
-        if kv >= self.size:
-            return self.part(kv)
         first = self.rank * kv // self.size
-        return slice(first, first + 1)
+        return self.part(kv) if kv >= self.size else slice(first, first + 1)
 
     def check(self, cfg: ModelConfig) -> None:
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -288,15 +286,14 @@ class Transformer(nn.Module):
         return x
 
     def gather(self, logits: Tensor) -> Tensor:
-        """The full vocabulary's logits on rank 0 (each rank holds a padded equal-width range)."""
+        """The full vocabulary's logits on rank 0 (each rank sends its range, padded to one width)."""
         if self.shard.size == 1:
             return logits
         per = -(-self.config.vocab_size // self.shard.size)
-        padded = F.pad(logits, (0, per - logits.shape[1]))
-        rank, size = self.shard.rank, self.shard.size
-        parts = [torch.empty_like(padded) for _ in range(size)] if rank == 0 else None
-        dist.gather(padded, parts, dst=0)
-        return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else padded
+        own = F.pad(logits, (0, per - logits.shape[1]))
+        parts = None if self.shard.rank else [torch.empty_like(own) for _ in range(self.shard.size)]
+        dist.gather(own, parts, dst=0)
+        return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else own
 
 
 # ---------------------------------------------------------------- weights

@@ -79,9 +79,8 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; a reader at 8 tok/s needs < 0.125
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 LLM_OPTIONS = ("device", "dtype", "num_kv_blocks", "policy", "read_rate", "host_kv_gb", "tokenflow",
-               "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-               "gpu_memory_utilization", "enforce_eager",
-               "tensor_parallel_size")  # CLI flags for LLM(...)
+               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+               "gpu_memory_utilization", "enforce_eager")  # CLI flags for LLM(...)
 
 
 class HTTPError(Exception):

@@ -116,8 +116,7 @@ ALLREDUCE_LATENCY_S = 20e-6  # per all-reduce over PCIe (assumed): two per layer
 
 
 def tp_qwen32b(card: str, gpus: int, memory: float, hbm: float, flops: float, bus: float):
-    """Qwen2.5-32B in bf16, tensor-parallel over `gpus` cards (all-reduce `bus` bytes/s): every
-    number is one rank's."""
+    """Qwen2.5-32B in bf16 over `gpus` cards (all-reduce at `bus` bytes/s), one rank's costs."""
     params, layers, link = 32.5e9, QWEN25_32B.num_hidden_layers, 25e9
     weights, kv_token = params * 2 / gpus, kv_bytes_per_token(QWEN25_32B, 2) // gpus
     # per token: its share of the matmuls, two ring all-reduces per layer of its bf16 hidden state
@@ -131,9 +130,8 @@ def tp_qwen32b(card: str, gpus: int, memory: float, hbm: float, flops: float, bu
         num_host_blocks=int(64e9 / gpus // (16 * kv_token)),
         notes=[f"{memory / 1e9:.0f} GB, {hbm / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s per GPU "
                "(spec sheets, no efficiency factor); 65 GB of weights, 1/N per rank",
-               f"all-reduce at {bus / 1e9:.0f} GB/s and {ALLREDUCE_LATENCY_S * 1e6:.0f} us each "
-               "(assumed), not overlapped with compute",
-               "KV pool per rank: 0.9 x memory - weights - 2 GB; host link 25 GB/s per rank"])
+               f"all-reduce {bus / 1e9:.0f} GB/s, {ALLREDUCE_LATENCY_S * 1e6:.0f} us (assumed), "
+               "not overlapped; KV pool: 0.9 x memory - weights - 2 GB; host link 25 GB/s"])
 
 
 PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2,

@@ -58,7 +58,7 @@ PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode 
 PROMPT_VOCAB = 256  # prompt token ids are drawn below this: valid for every model, and content does not matter
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
-ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "num_kv_blocks", "max_num_batched_tokens",
+ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks", "max_num_batched_tokens",
                 "enable_prefix_caching"]
 METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99", "qoe_mean",
                "qoe_good_share", "effective_throughput", "throughput", "makespan", "preemptions", "requests",

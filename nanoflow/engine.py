@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
-from .model import (IncrementalDetokenizer, ModelConfig, Tokenizer, Transformer, demo_checkpoint,
-                    generation_config, load_model, sample, token_logprobs)
+from .model import (IncrementalDetokenizer, ModelConfig, Shard, Tokenizer, Transformer,
+                    demo_checkpoint, generation_config, load_model, sample, token_logprobs)
 from .sched import (POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler,
                     TokenFlowConfig)
 from .swap import Swapper
@@ -77,6 +78,8 @@ class EngineConfig:
                                          type=float)
     enforce_eager: bool = knob(False, "no CUDA graphs: every step runs eagerly (on a CPU it "
                                "always does)", action="store_true")
+    tensor_parallel_size: int = knob(1, "ranks (processes, one GPU each) that split every "
+                                     "layer's heads and weights", type=int)
     enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
                                        action=argparse.BooleanOptionalAction)
 
@@ -398,11 +401,13 @@ class LLM:
         c = replace(config or EngineConfig(), **options)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
-        model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype))
+        tp = c.tensor_parallel_size
+        shard = dist.launch(ckpt, device, tp) if tp > 1 else Shard()
+        model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
         self.generation_config = generation_config(ckpt)
         cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, c.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = model.kv_block_shape(c.block_size)
         block_bytes = kv_block_bytes(*shape, dtype)
         num_kv_blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes,
                                                             c.gpu_memory_utilization)
@@ -411,11 +416,13 @@ class LLM:
         swapper = None
         if num_host_blocks:
             swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True))
+        if shard.size > 1:
+            dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
                               c.policy, swapper, c.tokenflow,
                               c.enable_prefix_caching)
         self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
-                             c.enforce_eager)
+                             c.enforce_eager or shard.size > 1)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

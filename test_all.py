@@ -35,8 +35,9 @@ from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
 from nanoflow.attention import AttnMetadata  # noqa: E402
 from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
 from nanoflow.kv import KVPool  # noqa: E402
-from nanoflow.model import (IncrementalDetokenizer, demo_checkpoint, generation_config,  # noqa
-                            processed_logits, sample, sampling_probs)
+from nanoflow.model import demo_checkpoint, generation_config  # noqa: E402
+from nanoflow.sampler import processed_logits, sample, sampling_probs  # noqa: E402
+from nanoflow.tokenizer import IncrementalDetokenizer  # noqa: E402
 from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402

@@ -19,11 +19,13 @@ import torch
 from . import dist
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
-from .model import (IncrementalDetokenizer, ModelConfig, Shard, Tokenizer, Transformer,
-                    demo_checkpoint, generation_config, load_model, sample, token_logprobs)
+from .model import (ModelConfig, Shard, Transformer, demo_checkpoint, generation_config,
+                    load_model)
+from .sampler import sample, token_logprobs
 from .sched import (POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler,
                     TokenFlowConfig)
 from .swap import Swapper
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("nanoflow")
 

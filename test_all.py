@@ -2401,7 +2401,7 @@ def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpu
     from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
 
     cost = PRESETS[preset]()
-    assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, 2)
+    assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, torch.bfloat16)
     # a rank holds 1/N of the bf16 weights, and they fit its card beside its KV pool
     weights = cost.weights_read_s / cost.per_kv_token_s * cost.kv_bytes_per_token
     assert weights == pytest.approx(32.5e9 * 2 / gpus)

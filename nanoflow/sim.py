@@ -10,12 +10,12 @@ on a laptop, and what the simulator says about a policy is what that policy does
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .engine import Engine, Request
-from .kv import KVPool
+from .kv import KVPool, kv_block_bytes
 from .model import ModelConfig
 from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
@@ -38,7 +38,7 @@ class VirtualClock:
 
 @dataclass
 class CostModel:
-    """Step time = overhead + max(memory time, compute time); every number states where it comes from."""
+    """Step time = overhead + max(memory time, compute time); each number says where it is from."""
 
     name: str
     model: ModelConfig
@@ -63,50 +63,57 @@ class CostModel:
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
-        lines = [f"preset {self.name}: step = {ms(self.overhead_s)} + max({ms(self.weights_read_s)} + "
-                 f"kv_tokens x {self.per_kv_token_s * 1e9:.3g} ns, prefill_tokens x {ms(self.per_prefill_token_s)} + "
-                 f"decodes x {ms(self.per_decode_seq_s)}); host link {self.link_bytes_per_s / 1e9:.3g} GB/s; "
-                 f"KV {self.num_kv_blocks} device + {self.num_host_blocks} host blocks of {self.block_size} tokens"]
-        return "\n".join(lines + [f"  - {n}" for n in self.notes])
+        memory = f"{ms(self.weights_read_s)} + kv_tokens x {self.per_kv_token_s * 1e9:.3g} ns"
+        compute = (f"prefill_tokens x {ms(self.per_prefill_token_s)} + "
+                   f"decodes x {ms(self.per_decode_seq_s)}")
+        pools = f"{self.num_kv_blocks} device + {self.num_host_blocks} host blocks"
+        line = (f"preset {self.name}: step = {ms(self.overhead_s)} + max({memory}, {compute}); "
+                f"host link {self.link_bytes_per_s / 1e9:.3g} GB/s; KV {pools} of "
+                f"{self.block_size} tokens")
+        return "\n".join([line] + [f"  - {n}" for n in self.notes])
 
 
-LLAMA3_8B = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
-SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+LLAMA3_8B = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=128, max_position_embeddings=8192)
+SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, max_position_embeddings=8192)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return kv_block_bytes(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, dtype)
 
 
 def h200_llama3_8b() -> CostModel:
     hbm, flops, link = 4.3e12, 790e12, 50e9
     weights = 8.03e9 * 2  # Llama-3-8B parameters, bf16
-    kv_token = kv_bytes_per_token(LLAMA3_8B, 2)  # 128 KiB
-    kv_budget = 141e9 * 0.3 - weights - 2e9  # the paper's 0.3 memory fraction, less weights and ~2 GB activations
+    kv_token = kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)  # 128 KiB
+    # the paper's 0.3 memory fraction, less the weights and ~2 GB of activations
+    kv_budget = 141e9 * 0.3 - weights - 2e9
     return CostModel(
         "h200-llama3-8b", LLAMA3_8B, kv_token,
         overhead_s=1.5e-3, weights_read_s=weights / hbm, per_kv_token_s=kv_token / hbm,
-        per_prefill_token_s=2 * 8.03e9 / flops, per_decode_seq_s=2 * 8.03e9 / flops, link_bytes_per_s=link,
-        num_kv_blocks=int(kv_budget // (16 * kv_token)), num_host_blocks=int(100e9 // (16 * kv_token)),
-        notes=["HBM 4.3 TB/s: the H200's measured device copy rate (KINDS.md); weights 16.06 GB read once per step",
-               "790 TFLOP/s: measured dense bf16 matmul rate; 2 x 8.03e9 FLOP per token",
-               "KV 128 KiB/token (32 layers x K,V x 8 heads x 128 x bf16), read once per step by attention",
+        per_prefill_token_s=2 * 8.03e9 / flops, per_decode_seq_s=2 * 8.03e9 / flops,
+        link_bytes_per_s=link, num_kv_blocks=int(kv_budget // (16 * kv_token)),
+        num_host_blocks=int(100e9 // (16 * kv_token)),
+        notes=["HBM 4.3 TB/s: the H200's measured device copy rate; 16.06 GB of weights read once "
+               "per step", "790 TFLOP/s: measured dense bf16 matmul rate; 2 x 8.03e9 FLOP/token",
+               "KV 128 KiB/token (32 layers x K,V x 8 heads x 128 x bf16), read once per step",
                "KV pool: 0.3 x 141 GB - weights - 2 GB activations (the paper's memory fraction)",
-               "host link 50 GB/s: PCIe Gen5 x16 with pinned memory (assumed, ~80% of 64 GB/s); host KV 100 GB",
-               "1.5 ms per step for scheduling, launches and sampling (assumed; no CUDA graphs)"])
+               "host link 50 GB/s: PCIe Gen5 x16 with pinned memory (assumed, ~80% of 64 GB/s); "
+               "host KV 100 GB", "1.5 ms per step for scheduling, launches and sampling (assumed)"])
 
 
 def cpu_smollm2() -> CostModel:
     return CostModel(
-        "cpu-smollm2", SMOLLM2_135M, kv_bytes_per_token(SMOLLM2_135M, 4),
+        "cpu-smollm2", SMOLLM2_135M, kv_bytes_per_token(SMOLLM2_135M, torch.float32),
         overhead_s=0.050, weights_read_s=0.0, per_kv_token_s=0.0,
         per_prefill_token_s=1.7e-3, per_decode_seq_s=4.7e-3, link_bytes_per_s=5e9,
         num_kv_blocks=256, num_host_blocks=4096,
-        notes=["fitted to the real engine, fp32 demo model, on the 2-core dev machine (AMD EPYC, 2026-11-29):",
+        notes=["fitted to the real engine, fp32 demo model, 2-core machine (AMD EPYC, 2026-11):",
                "decode step 56 ms at 1 request, 126 ms at 16; a 2048-token prefill step 3.45 s",
-               "host link 5 GB/s: memcpy between two CPU buffers; `python bench.py --calibrate` refits"])
+               "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits"])
 
 
 QWEN25_32B = ModelConfig("qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
@@ -118,7 +125,8 @@ ALLREDUCE_LATENCY_S = 20e-6  # per all-reduce over PCIe (assumed): two per layer
 def tp_qwen32b(card: str, gpus: int, memory: float, hbm: float, flops: float, bus: float):
     """Qwen2.5-32B in bf16 over `gpus` cards (all-reduce at `bus` bytes/s), one rank's costs."""
     params, layers, link = 32.5e9, QWEN25_32B.num_hidden_layers, 25e9
-    weights, kv_token = params * 2 / gpus, kv_bytes_per_token(QWEN25_32B, 2) // gpus
+    weights = params * 2 / gpus
+    kv_token = kv_bytes_per_token(QWEN25_32B, torch.bfloat16) // gpus
     # per token: its share of the matmuls, two ring all-reduces per layer of its bf16 hidden state
     hidden_bytes = QWEN25_32B.hidden_size * 2
     per_token = 2 * params / gpus / flops + 4 * layers * (gpus - 1) / gpus * hidden_bytes / bus
@@ -165,8 +173,9 @@ class VirtualEvent:
 
 
 class SimSwapper(Swapper):
-    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are Swapper's.
-    Blocks being copied return to their pool, and loaded requests may run, once their copy is done."""
+    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are
+    Swapper's. Blocks being copied return to their pool, and loaded requests may run, once their
+    copy is done."""
 
     def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float):
         self.device, self.host, self.clock = device, host, clock
@@ -177,7 +186,8 @@ class SimSwapper(Swapper):
 
     def _occupy(self, num_blocks: int) -> float:
         """When a copy queued now would be done."""
-        self.link_free_at = max(self.link_free_at, self.clock()) + num_blocks * self.block_bytes / self.bandwidth
+        start = max(self.link_free_at, self.clock())
+        self.link_free_at = start + num_blocks * self.block_bytes / self.bandwidth
         return self.link_free_at
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
@@ -189,7 +199,7 @@ class SimSwapper(Swapper):
         return VirtualEvent(self._occupy(len(host_ids)), self.clock)
 
     def pending_event(self) -> VirtualEvent | None:
-        return VirtualEvent(self.link_free_at, self.clock) if self.link_free_at > self.clock() else None
+        return VirtualEvent(self.link_free_at, self.clock) if self.backlog() else None
 
     def backlog(self) -> float:
         return max(0.0, self.link_free_at - self.clock())
@@ -227,7 +237,7 @@ class SimEngine(Engine):
 
 
 def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) -> KVPool:
-    """Block accounting without the memory: a one-element-per-slot tensor, the modelled block size."""
+    """Block accounting without the memory: one element per slot, the modelled block bytes."""
     pool = KVPool(num_blocks, 1, block_size, 1, 1, torch.float32, torch.device("cpu"), host=host)
     pool.bytes_per_block = bytes_per_block
     return pool
@@ -254,8 +264,10 @@ def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float
     return SimEngine(cost, scheduler, read_rate)
 
 
-def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps: int = 8) -> CostModel:
-    """Fit the cpu-smollm2 form (overhead + prefill tokens + decoding requests) to the real engine's steps."""
+def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps: int = 8
+              ) -> CostModel:
+    """Fit the cpu-smollm2 form (overhead + prefill tokens + decoding requests) to the real
+    engine's steps."""
     engine, rows = llm.engine, []
     vocab = engine.config.vocab_size
 
@@ -280,11 +292,9 @@ def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps
             engine.step()
     x = torch.tensor([[1.0, p, d] for p, d, _, _ in rows], dtype=torch.float64)
     y = torch.tensor([[t] for *_, t in rows], dtype=torch.float64)
-    overhead, per_prefill, per_decode = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
-    cost = cpu_smollm2()
-    cost.model, cost.kv_bytes_per_token = engine.config, engine.kv.bytes_per_block // engine.kv.block_size
-    cost.name, cost.overhead_s, cost.per_prefill_token_s, cost.per_decode_seq_s = \
-        "calibrated", overhead, per_prefill, per_decode
-    cost.notes = [f"least squares over {len(rows)} measured steps of this engine on this machine"]
-    return cost
+    fit = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
+    return replace(cpu_smollm2(), name="calibrated", model=engine.config,
+                   kv_bytes_per_token=engine.kv.bytes_per_block // engine.kv.block_size,
+                   overhead_s=fit[0], per_prefill_token_s=fit[1], per_decode_seq_s=fit[2],
+                   notes=[f"least squares over {len(rows)} measured steps of this engine here"])
 

@@ -920,6 +920,27 @@ def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
         assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
 
 
+@pytest.mark.timeout(60)
+def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_and_stops_the_workers(
+        tiny, monkeypatch):
+    from nanoflow import dist
+
+    started = []
+    launch = dist.launch
+
+    def recording_launch(*args):
+        shard = launch(*args)
+        started.extend(dist.workers)
+        return shard
+    monkeypatch.setattr(dist, "launch", recording_launch)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLM(tiny[0], device="cpu", tensor_parallel_size=3)
+    assert len(started) == 2 and not dist.workers
+    for p in started:
+        p.join(10)
+    assert [p.exitcode for p in started] == [0, 0]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("resume", ["recompute", "load"])
 def test_tensor_parallel_greedy_matches_one_rank(tiny, resume):

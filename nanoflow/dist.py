@@ -93,7 +93,10 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _init(rank, size, init_method, device)
-    dtype, num_blocks, block_size, num_host_blocks = _broadcast()
+    pools = _broadcast()
+    if pools is None:  # rank 0 could not load its shard
+        return
+    dtype, num_blocks, block_size, num_host_blocks = pools
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
     shape = model.kv_block_shape(block_size)
     kv = KVPool(num_blocks, *shape, dtype, device)

@@ -405,7 +405,12 @@ class LLM:
         ckpt = ckpt or demo_checkpoint()
         tp = c.tensor_parallel_size
         shard = dist.launch(ckpt, device, tp) if tp > 1 else Shard()
-        model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
+        try:
+            model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
+        except BaseException:
+            # e.g. a size that does not divide the heads: the started workers must not linger
+            dist.shutdown()
+            raise
         self.generation_config = generation_config(ckpt)
         cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype

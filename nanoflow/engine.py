@@ -231,6 +231,7 @@ class Engine:
         else:
             ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
             logits_indices = [ends[req] - 1 for req in batch.sampled]
+            # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
             logits = self.model(ids, positions, self.kv_caches, meta,
                                 to_device(logits_indices, torch.long, self.device))
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)

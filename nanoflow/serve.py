@@ -125,8 +125,7 @@ def stream_text(req: Request) -> str:
 
 
 class EngineLoop(threading.Thread):
-    """The only thread that touches the Engine. Connections put calls in its inbox (add, abort),
-    which it makes between steps; it answers each choice on the choice's queue."""
+    """The only thread that touches the Engine: it makes the calls in its inbox between steps."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
@@ -240,7 +239,8 @@ class EngineLoop(threading.Thread):
                             req.num_output_tokens, error)
         choice.sent = len(text)
         choice.sent_tokens = req.num_output_tokens
-        if choice.queued and (req.num_output_tokens or req.is_finished):
+        started = req.num_output_tokens > 0 or req.is_finished
+        if choice.queued and started:
             self._unqueue(choice)
         if req.is_finished:
             del self.choices[req.request_id]
@@ -304,12 +304,13 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 def is_text_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    return isinstance(part, dict) and part.get("type") == "text" and type(part.get("text")) is str
 
 
 def prompt_ids(prompt, tokenizer) -> list[int]:
     """`prompt` as text or token ids; a batch of one is unwrapped (one prompt per request)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    batch_of_one = isinstance(prompt, list) and len(prompt) == 1
+    if batch_of_one and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
@@ -336,11 +337,10 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
     """SamplingParams from the body's OpenAI fields over the defaults, checked with the prompt:
     the one check a served request gets (the engine trusts it). A 400 if it cannot run."""
     fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
-    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
-                       if body.get(k) is not None), None)
+    asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
     # by default, up to the end of the context (as OpenAI and vLLM do)
-    max_tokens = max(1, room) if max_tokens is None else max_tokens
+    max_tokens = asked[0] if asked else max(1, room)
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **fields)
         engine.check_prompt(ids, params)
@@ -399,7 +399,8 @@ class Reply:
             shaped = None
         elif self.chat:
             shaped = chat_logprobs(logprobs, self.tokenizer)
-        else:  # offsets count from the start of the choice's text, across chunks too
+        else:
+            # offsets count from the start of the choice's text, across chunks too
             shaped = text_logprobs(logprobs, self.tokenizer, self.text_sent[index])
             self.text_sent[index] += sum(map(len, shaped["tokens"]))
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
@@ -511,7 +512,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _allowed_origin(self) -> str | None:
         """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
-        headers = getattr(self, "headers", None)  # none yet when the request line itself was bad
+        # no headers yet when the request line itself was bad
+        headers = getattr(self, "headers", None)
         origin = headers.get("Origin") if headers else None
         allowed = self.server.allowed_origins
         if origin is not None and "*" in allowed:
@@ -599,8 +601,8 @@ class Handler(BaseHTTPRequestHandler):
         """vLLM's /detokenize: token ids to text."""
         tokens = self._read_json().get("tokens")
         vocab = self.server.engine.config.vocab_size
-        if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < vocab
-                                                 for t in tokens)):
+        ids = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+        if not (ids and all(0 <= t < vocab for t in tokens)):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self._send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
 
@@ -631,14 +633,15 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
-                for request_id in request_ids:  # frees it now if its client left
+                # frees it now if its client left
+                for request_id in request_ids:
                     server.loop.abort(request_id)
 
     chat_completions = functools.partialmethod(_generate, chat=True)
     completions = functools.partialmethod(_generate, chat=False)
 
     def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
-        """Server-Sent Events as OpenAI sends them: a chunk per piece of text as soon as it exists."""
+        """Server-Sent Events as OpenAI sends them: a chunk per piece of text once it exists."""
         self._start_events()
         if reply.chat:
             for i in range(n):
@@ -650,7 +653,8 @@ class Handler(BaseHTTPRequestHandler):
                 break
             if delta.text or delta.logprobs:
                 self._sse(reply.chunk(dataclasses.replace(delta, finish_reason=None)))
-            if delta.finish_reason:  # in a chunk of its own, as OpenAI sends it
+            # the finish in a chunk of its own, as OpenAI sends it
+            if delta.finish_reason:
                 self._sse(reply.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason)))
                 done.append(delta)
         if reply.include_usage and len(done) == n:
@@ -664,8 +668,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, reply.whole(got))
 
     def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
-        """The deltas of n choices until each has its last; ConnectionAbortedError once the client
-        left. A stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
+        """The deltas of n choices until each has its last, or until the client leaves. A stream
+        that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
         quiet_since = time.monotonic()
@@ -717,7 +721,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-Accel-Buffering", "no")  # nginx: pass each chunk on at once
+        # nginx: pass each chunk on at once
+        self.send_header("X-Accel-Buffering", "no")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
@@ -740,7 +745,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, e: HTTPError) -> None:
         self.server.metrics.rejected(e.code)
-        self.close_connection = True  # what is left of the request body may still be on the socket
+        # what is left of the request body may still be on the socket
+        self.close_connection = True
         self._send_json(e.status, e.body(), {**e.headers, "Connection": "close"})
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
@@ -771,8 +777,7 @@ def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server, its engine thread and metrics; `start()` serves in the background. It may
-    listen before the model has loaded (`attach` brings the engine): /health says 503."""
+    """The HTTP server, its engine thread and metrics; it listens before `attach` brings a model."""
 
     request_queue_size = 128  # listen backlog: a burst of clients connects at once (default: 5)
 
@@ -785,7 +790,6 @@ class Server(ThreadingHTTPServer):
         self.api_key = api_key
         self.max_waiting = max_waiting
         self.allowed_origins = list(allowed_origins)
-        # sampling defaults over the model's generation_config
         self.generation_config = generation_config or {}
         self.created = int(time.time())
         self.metrics = Metrics()
@@ -807,7 +811,8 @@ class Server(ThreadingHTTPServer):
     def attach(self, llm: LLM) -> "Server":
         """Serve `llm` from now on."""
         self.defaults = {**llm.generation_config, **self.generation_config}
-        SamplingParams(**self.defaults)  # a bad override fails here, not in every request
+        # a bad override fails here, not in every request
+        SamplingParams(**self.defaults)
         if self.defaults:
             log.info("sampling defaults where a request says nothing: %s", self.defaults)
         self.engine = llm.engine
@@ -852,16 +857,13 @@ class Server(ThreadingHTTPServer):
 
 def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000,
                 **options) -> Server:
-    """A server for `llm` (or, until `attach`, for none) on host:port (0 picks a free port) with
-    Server's options; call `.start()`, later `.shutdown()`."""
+    """A server for `llm` (None: until `attach`) on host:port (0: any free); `.start()` it."""
     server = Server(host, port, **options)
     return server.attach(llm) if llm is not None else server
 
 
 def model_id(ckpt: str | None) -> str:
-    if ckpt is None:
-        return DEMO_MODEL_ID
-    path = Path(ckpt)
+    path = Path(ckpt or DEMO_MODEL_ID)
     return path.stem if path.suffix == ".gguf" else path.name
 
 
@@ -874,33 +876,27 @@ def json_object(text: str) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible "
-                                f"server for nanoflow: {', '.join(ROUTES)} (/ is a live view of "
-                                "the engine).")
-    p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file; default: the "
-                   f"demo {DEMO_MODEL_ID}, downloaded once")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                   "%(default)s, this machine only; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="TCP port; 0 picks a free one (default: %(default)s)")
+                                f"server: {', '.join(ROUTES)} (/ watches the engine live).")
+    p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file (default: the "
+                   f"demo {DEMO_MODEL_ID}, downloaded once)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every "
+                   "interface (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's names in "
                    "the API, the first in answers (default: the checkpoint's name)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a jinja2 chat template to use instead of the model's own")
     EngineConfig.add_flags(p)
     p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
-                   help="sampling defaults over the model's generation_config.json, "
-                   'e.g. \'{"temperature": 0.7}\'')
-    p.add_argument("--api-key",
-                   help="require 'Authorization: Bearer KEY' on every path but /health")
+                   help='sampling defaults over generation_config.json\'s, e.g. '
+                   '\'{"temperature": 0.7}\'')
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser "
-                   "origins allowed to call the API (CORS), e.g. http://localhost:3000, or * "
-                   "(default: none)")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests "
-                   "waiting for their first token beyond which new ones get 503 with Retry-After "
-                   "(default: %(default)s)")
+                   "origins that may call the API (CORS), e.g. http://localhost:3000, or *")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without "
+                   "a first token beyond which new ones get 503 (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on "
-                   "SIGTERM, seconds the requests in flight may take to finish before they are "
-                   "cut (default: %(default)s)")
+                   "SIGTERM, seconds in-flight requests may take to finish (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 

@@ -577,12 +577,12 @@ class Handler(BaseHTTPRequestHandler):
             requests = burst_requests(self._read_json(), self.server.engine)
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
+        # nobody reads these queues: each is dropped with its finished request
         queues = []
         try:
             for ids, params in requests:
                 request_id = f"burst-{uuid.uuid4().hex[:8]}"
                 queues.append(self.server.loop.submit([request_id], ids, [params], request_id))
-        # nobody reads their deltas: each queue goes with its request
         except HTTPError as e:  # overloaded: the rest are not sent
             log.warning("burst: %d of %d requests sent: %s", len(queues), len(requests), e)
         self._send_json(200, {"submitted": len(queues), "requested": len(requests)})
@@ -857,7 +857,8 @@ class Server(ThreadingHTTPServer):
 
 def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000,
                 **options) -> Server:
-    """A server for `llm` (None: until `attach`) on host:port (0: any free); `.start()` it."""
+    """A server for `llm` (None: until `attach`) on host:port (0: any free); `.start()` it.
+    `generation_config` (a Server option) overrides the model's sampling defaults."""
     server = Server(host, port, **options)
     return server.attach(llm) if llm is not None else server
 

@@ -133,9 +133,8 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; raises ValueError (and queues nothing) if it can never
-        run."""
-        self.check_prompt(prompt_token_ids, params)
+        """Queue a request that `check_prompt` passed: LLM and the server check each request
+        once, at their door."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         rate = clamp_read_rate(params.read_rate or self.read_rate)

@@ -1,15 +1,11 @@
 """The HTTP front door: an OpenAI-compatible server on the standard library's `http.server`.
 
-Where it sits: a connection thread parses and validates a request, applies the chat
-template, tokenizes, and hands the prompt to the engine thread through a thread-safe inbox. The
-engine thread is the only one that touches the Engine: it adds and aborts requests, runs
-`engine.step()`, and after every step puts each request's new text on that request's own queue.
-The connection thread writes that text to its socket at once (one SSE chunk per detokenized token)
-and aborts the request as soon as its client goes away. `/metrics` reads the `engine.stats()`
-snapshot that the engine thread publishes after each step, plus the server's own counters. The
-server listens before the model loads (/health answers 503 until then) and, on SIGTERM, lets the
-requests in flight finish for a while before it ends the rest. `GET /` is a page that watches the
-engine live (live.py), fed by `/v1/engine/events`.
+A connection thread checks a request (its only check: the engine trusts it), tokenizes it and
+puts it in the engine thread's inbox. That thread alone touches the Engine: it adds and aborts
+requests, runs `engine.step()` and puts each request's new text on the request's own queue, which
+the connection writes to its socket at once (one SSE chunk per token); a client that leaves has its
+request aborted. The server listens before the model loads (/health: 503 until then); on SIGTERM,
+requests in flight may finish for a while. `GET /` watches the engine live (live.py).
 
     python -m nanoflow.serve --ckpt ./llama3-8b --port 8000
 """
@@ -29,9 +25,9 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from collections import Counter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,13 +44,13 @@ from .sched import Request, SamplingParams
 log = logging.getLogger("nanoflow.serve")
 
 DEMO_MODEL_ID = "SmolLM2-135M-Instruct"  # what /v1/models calls the demo checkpoint
-MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt sent as token ids fits; a larger body is a mistake: 413
+MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt as token ids fits; a larger body is a mistake: 413
 DRAIN_LIMIT_BYTES = 64 << 20  # after our 413, what the client still sends is read and dropped...
 DRAIN_IDLE_S = 1.0  # ...while it keeps sending (a client that waits for our answer sends nothing)
-DEFAULT_MAX_WAITING = 256  # requests still waiting for a first token; more would only wait longer: 503
+DEFAULT_MAX_WAITING = 256  # requests without a first token yet; more would only wait longer: 503
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before it retries
-POLL_S = 0.05  # how often a waiting connection checks that its client is still there: about one step
-CLIENT_TIMEOUT_S = 60.0  # a client silent this long (slow headers or body, a stream it stopped reading) is dropped
+POLL_S = 0.05  # how often a waiting connection checks that its client is still there: ~one step
+CLIENT_TIMEOUT_S = 60.0  # a client silent this long (headers, body, an unread stream) is dropped
 SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for aborted streams to write their last chunk
 SHUTDOWN_TIMEOUT_S = 30.0  # on SIGTERM, how long requests in flight may finish before they are cut
 KEEPALIVE_S = 5.0  # an SSE comment this often while a stream is paused: proxies drop idle ones
@@ -65,7 +61,7 @@ PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's ans
 # the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)
                    if f.name not in ("max_tokens", "logprobs")]
-# OpenAI parameters the engine cannot honour: accepted only when absent, null or set to this neutral value
+# OpenAI parameters the engine cannot honour: accepted only when absent, null or this neutral value
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none",
                "functions": [], "function_call": "none", "response_format": {"type": "text"}}
 # every other field of a body: unknown, ignored with a warning (as vLLM does)
@@ -80,19 +76,17 @@ OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page
 class HTTPError(Exception):
     """An error answered as OpenAI does: a status and {"error": {"message", "type", "code"}}."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
-        self.code = code or HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+        self.status = status
+        self.headers = headers or {}
+        self.code = code or re.sub("[ -]", "_", HTTPStatus(status).phrase.lower())
 
     def body(self) -> dict:
         kind = ("authentication_error" if self.status == 401 else
                 "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "code": self.code}}
-
-
-class ClientGone(ConnectionError):
-    """The client closed its connection while its request was in flight."""
+        return {"error": {"message": str(self), "type": kind, "code": self.code}}
 
 
 # ---------------------------------------------------------------- the engine thread
@@ -132,7 +126,7 @@ def stream_text(req: Request) -> str:
 
 
 class EngineLoop(threading.Thread):
-    """The only thread that touches the Engine; it answers each choice on the choice's queue."""
+    """The only thread that touches the Engine: it makes the calls in its inbox between steps."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
@@ -140,7 +134,7 @@ class EngineLoop(threading.Thread):
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.live = live
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to make; None: stop
         # makes "check the queue length, then enqueue" one step for racing submits
         self.lock = threading.Lock()
         self.num_queued = 0  # submitted requests without a token yet
@@ -150,7 +144,7 @@ class EngineLoop(threading.Thread):
 
     def submit(self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
                tag: str) -> queue.Queue:
-        """Queue a validated request's choices; their deltas will arrive on the returned queue."""
+        """Queue a checked request's choices; their deltas will arrive on the returned queue."""
         events: queue.Queue = queue.Queue()
         with self.lock:
             if self.stopping:
@@ -160,21 +154,22 @@ class EngineLoop(threading.Thread):
                                 "shortly", "overloaded", {"Retry-After": str(RETRY_AFTER_S)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
-                self.inbox.put(("add", request_id, (prompt_ids, p, Choice(events, i, tag))))
+                choice = Choice(events, i, tag)
+                self.inbox.put(functools.partial(self._add, request_id, prompt_ids, p, choice))
         return events
 
     def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id, None))
+        self.inbox.put(functools.partial(self._abort, request_id))
 
     def watch(self) -> None:
         """A viewer arrived: wake the engine thread, which publishes snapshots even when idle."""
-        self.inbox.put(("watch", None, None))
+        self.inbox.put(self.live.restart)
 
     def stop(self) -> None:
         """Abort every request (each choice gets its last ChoiceDelta) and end the thread."""
         with self.lock:
             self.stopping = True
-            self.inbox.put(("stop", None, None))
+            self.inbox.put(None)
         self.join()
         self.live.close()
 
@@ -195,26 +190,21 @@ class EngineLoop(threading.Thread):
                 self.live.observe(done)
 
     def _take_inbox(self, block: bool) -> bool:
-        """Apply pending adds and aborts (waiting for one when idle); False once asked to stop."""
-        wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None  # viewers see an idle engine
+        """Make the inbox's calls (waiting for one when idle); False once asked to stop."""
+        # viewers see an idle engine too
+        wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None
         try:
-            items = [self.inbox.get(timeout=wait)] if block else []
+            calls = [self.inbox.get(timeout=wait)] if block else []
         except queue.Empty:
-            items = []
+            calls = []
         while not self.inbox.empty():
-            items.append(self.inbox.get())
-        for kind, request_id, payload in items:
-            if kind == "stop":
+            calls.append(self.inbox.get())
+        for call in calls:
+            if call is None:
                 self._abort_all()
                 return False
-            if kind == "add":
-                self._add(request_id, *payload)
-            elif kind == "watch":
-                self.live.restart()
-            elif request_id in self.choices:
-                self.engine.abort(request_id)
-                self._publish(self.choices[request_id])
-        if items:
+            call()
+        if calls:
             self.snapshot = self.engine.stats()
         return True
 
@@ -223,17 +213,21 @@ class EngineLoop(threading.Thread):
         try:
             choice.request = self.engine.add_request(prompt_ids, params, request_id)
         except Exception as e:
-            # validated already; whatever still fails is this request's problem alone
+            # checked already; whatever still fails is this request's problem alone
             self._unqueue(choice)
             error = HTTPError(400 if isinstance(e, ValueError) else 500, str(e))
             choice.events.put(ChoiceDelta(error=error))
             return
         self.choices[request_id] = choice
 
-    def _abort_all(self, error: HTTPError | None = None) -> None:
-        for request_id, choice in list(self.choices.items()):
+    def _abort(self, request_id: str, error: HTTPError | None = None) -> None:
+        if request_id in self.choices:
             self.engine.abort(request_id)
-            self._publish(choice, error)
+            self._publish(self.choices[request_id], error)
+
+    def _abort_all(self, error: HTTPError | None = None) -> None:
+        for request_id in list(self.choices):
+            self._abort(request_id, error)
 
     def _publish(self, choice: Choice, error: HTTPError | None = None) -> None:
         """Send the text the request added since last time; at the end, its finish and usage."""
@@ -246,7 +240,8 @@ class EngineLoop(threading.Thread):
                             req.num_output_tokens, error)
         choice.sent = len(text)
         choice.sent_tokens = req.num_output_tokens
-        if choice.queued and (req.num_output_tokens or req.is_finished):
+        started = req.num_output_tokens > 0 or req.is_finished
+        if choice.queued and started:
             self._unqueue(choice)
         if req.is_finished:
             del self.choices[req.request_id]
@@ -269,7 +264,7 @@ class EngineLoop(threading.Thread):
                  req.finish_reason)
 
 
-# ---------------------------------------------------------------- requests: OpenAI fields to engine inputs
+# ---------------------------------------------------------------- a body's checks: OpenAI to engine
 
 
 def check_fields(body: dict, request_id: str) -> None:
@@ -297,11 +292,11 @@ def chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
+        if isinstance(content, list) and all(map(is_text_part, content)):
             content = "\n".join(p["text"] for p in content)
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
-            raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` (or text parts)")
+            raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` "
+                                 "(or text parts)")
         if m["role"] not in ROLES:
             raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of "
                                  f"{', '.join(ROLES)}")
@@ -309,15 +304,21 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+def is_text_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and type(part.get("text")) is str
+
+
 def prompt_ids(prompt, tokenizer) -> list[int]:
     """`prompt` as text or token ids; a batch of one is unwrapped (one prompt per request)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    batch_of_one = isinstance(prompt, list) and len(prompt) == 1
+    if batch_of_one and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return prompt
-    raise HTTPError(400, "`prompt` must be a string or a list of token ids (one prompt per request)")
+    raise HTTPError(400, "`prompt` must be a string or a list of token ids (one prompt per "
+                         "request)")
 
 
 def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
@@ -334,14 +335,15 @@ def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
                     chat: bool) -> SamplingParams:
-    """SamplingParams from the body's OpenAI fields over the defaults; a 400 if they cannot run."""
+    """SamplingParams from the body's OpenAI fields over the defaults, checked with the prompt:
+    the one check a served request gets (the engine trusts it). A 400 if it cannot run."""
     fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
-    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
-                       if body.get(k) is not None), None)
+    asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
-    try:  # by default, up to the end of the context (as OpenAI and vLLM do)
-        params = SamplingParams(max_tokens=max(1, room) if max_tokens is None else max_tokens,
-                                logprobs=num_logprobs(body, chat), **fields)
+    # by default, up to the end of the context (as OpenAI and vLLM do)
+    max_tokens = asked[0] if asked else max(1, room)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **fields)
         engine.check_prompt(ids, params)
     except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
@@ -364,10 +366,13 @@ def num_logprobs(body: dict, chat: bool) -> int | None:
 def choices(body: dict, params: SamplingParams) -> list[SamplingParams]:
     """`n` copies of the request; seeded, choice i samples with seed + i (so that they differ)."""
     n = 1 if body.get("n") is None else body["n"]
-    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES):
+    if not (type(n) is int and 1 <= n <= MAX_CHOICES):
         raise HTTPError(400, f"`n` must be an integer in [1, {MAX_CHOICES}]")
     seeds = [None] * n if params.seed is None else [(params.seed + i) % 2**64 for i in range(n)]
     return [dataclasses.replace(params, seed=seed) for seed in seeds]
+
+
+# ---------------------------------------------------------------- answers: OpenAI's objects
 
 
 @dataclass
@@ -378,6 +383,8 @@ class Reply:
     model: str
     chat: bool
     tokenizer: object
+    num_prompt: int
+    logprobs: bool  # asked for: each choice has a (maybe empty) list
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     text_sent: Counter = field(default_factory=Counter)  # per choice: characters with logprobs sent
@@ -393,7 +400,8 @@ class Reply:
             shaped = None
         elif self.chat:
             shaped = chat_logprobs(logprobs, self.tokenizer)
-        else:  # offsets count from the start of the choice's text, across chunks too
+        else:
+            # offsets count from the start of the choice's text, across chunks too
             shaped = text_logprobs(logprobs, self.tokenizer, self.text_sent[index])
             self.text_sent[index] += sum(map(len, shaped["tokens"]))
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
@@ -406,20 +414,26 @@ class Reply:
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
         return self._object([choice], **usage)
 
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._object([], usage=usage)
+    def usage_chunk(self, finished: list[ChoiceDelta]) -> dict:
+        return self._object([], usage=self._usage(finished))
 
-    def whole(self, deltas: list[ChoiceDelta], logprobs: bool, usage: dict) -> dict:
+    def _usage(self, finished: list[ChoiceDelta]) -> dict:
+        completion = sum(e.completion_tokens for e in finished)
+        return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
+                "total_tokens": self.num_prompt + completion}
+
+    def whole(self, deltas: list[ChoiceDelta]) -> dict:
         """Each choice from its deltas: text and logprobs joined, the last one's finish reason."""
         out = []
         for i in range(len({e.index for e in deltas})):
             mine = [e for e in deltas if e.index == i]
             text = "".join(e.text for e in mine)
-            tokens = [t for e in mine for t in e.logprobs] if logprobs else None
+            tokens = [t for e in mine for t in e.logprobs] if self.logprobs else None
             message = {"role": "assistant", "content": text}
             content = {"message": message} if self.chat else {"text": text}
             out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
-        return self._object(out, whole=True, usage=usage)
+        finished = [e for e in deltas if e.finish_reason]
+        return self._object(out, whole=True, usage=self._usage(finished))
 
 
 def chat_logprobs(tokens: list, tokenizer) -> dict:
@@ -445,11 +459,11 @@ def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One thread per connection: route, authenticate, validate, then stream or send the answer."""
+    """One thread per connection: route, authenticate, check, then stream or send the answer."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive for plain answers; a stream ends by closing the connection
+    protocol_version = "HTTP/1.1"  # keep-alive for plain answers; a stream ends by closing
     server_version = "nanoflow"
-    disable_nagle_algorithm = True  # a token is a few bytes: send it now, not together with the next one
+    disable_nagle_algorithm = True  # a token is a few bytes: send it now, not with the next one
     timeout = CLIENT_TIMEOUT_S
     server: "Server"
     request_id = ""  # X-Request-Id: the client's, or ours
@@ -467,9 +481,10 @@ class Handler(BaseHTTPRequestHandler):
         path = re.sub("/+", "/", self.path.partition("?")[0]).rstrip("/") or "/"
         try:
             length = self._content_length()
-            if length > MAX_BODY_BYTES:  # say so now: the client may wait for us to send the body
-                error = HTTPError(413, f"the body has {length} bytes; the limit: {MAX_BODY_BYTES}")
-                self._send_error(error)
+            # say so now: the client may wait for us before it sends the body
+            if length > MAX_BODY_BYTES:
+                self._send_error(HTTPError(413, f"the body has {length} bytes; the limit: "
+                                                f"{MAX_BODY_BYTES}"))
                 return self._discard(length)
             if path not in ROUTES:
                 raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
@@ -493,15 +508,18 @@ class Handler(BaseHTTPRequestHandler):
     def _authenticate(self) -> None:
         given = self.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
-            raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", "invalid_api_key")
+            raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer "
+                                 "<key>'", "invalid_api_key")
 
     def _allowed_origin(self) -> str | None:
         """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
-        headers = getattr(self, "headers", None)  # none yet when the request line itself was bad
-        origin, allowed = headers.get("Origin") if headers else None, self.server.allowed_origins
-        if origin is None or not ("*" in allowed or origin in allowed):
-            return None
-        return "*" if "*" in allowed else origin
+        # no headers yet when the request line itself was bad
+        headers = getattr(self, "headers", None)
+        origin = headers.get("Origin") if headers else None
+        allowed = self.server.allowed_origins
+        if origin is not None and "*" in allowed:
+            return "*"
+        return origin if origin in allowed else None
 
     def _preflight(self, method: str) -> dict:
         if not self._allowed_origin():
@@ -529,10 +547,10 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"status": "ok"})
 
     def models(self) -> None:
-        engine = self.server.engine
+        server = self.server
         self._send_json(200, {"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.server.created, "owned_by": "nanoflow",
-             "max_model_len": engine.max_model_len} for name in self.server.model_names]})
+            {"id": name, "object": "model", "created": server.created, "owned_by": "nanoflow",
+             "max_model_len": server.engine.max_model_len} for name in server.model_names]})
 
     def metrics(self) -> None:
         loop = self.server.loop
@@ -560,19 +578,20 @@ class Handler(BaseHTTPRequestHandler):
             requests = burst_requests(self._read_json(), self.server.engine)
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
+        # nobody reads these queues: each is dropped with its finished request
         queues = []
         try:
             for ids, params in requests:
                 request_id = f"burst-{uuid.uuid4().hex[:8]}"
                 queues.append(self.server.loop.submit([request_id], ids, [params], request_id))
         except HTTPError as e:  # overloaded: the rest are not sent
-            log.warning("burst: %d of %d requests sent: %s", len(queues), len(requests), e.message)
-        threading.Thread(target=drain, args=(queues,), daemon=True).start()
+            log.warning("burst: %d of %d requests sent: %s", len(queues), len(requests), e)
         self._send_json(200, {"submitted": len(queues), "requested": len(requests)})
 
     def tokenize(self) -> None:
         """vLLM's /tokenize: a `prompt` or chat `messages` to token ids."""
-        body, engine = self._read_json(), self.server.engine
+        body = self._read_json()
+        engine = self.server.engine
         ids = prompt_of(body, engine.tokenizer, chat="messages" in body)
         vocab = engine.tokenizer.tk
         strs = [vocab.id_to_token(t) for t in ids] if flag(body, "return_token_strs") else None
@@ -581,49 +600,52 @@ class Handler(BaseHTTPRequestHandler):
 
     def detokenize(self) -> None:
         """vLLM's /detokenize: token ids to text."""
-        tokens, vocab = self._read_json().get("tokens"), self.server.engine.config.vocab_size
-        if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < vocab
-                                                 for t in tokens)):
+        tokens = self._read_json().get("tokens")
+        vocab = self.server.engine.config.vocab_size
+        ids = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+        if not (ids and all(0 <= t < vocab for t in tokens)):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self._send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
 
-    # ---- generation
+    # ---- generation: the body's checks, the engine thread, then one stream or one answer
 
     def _generate(self, chat: bool) -> None:
-        server, body = self.server, self._read_json()
+        body = self._read_json()
+        server = self.server
         check_fields(body, self.request_id)
-        tokenizer = server.engine.tokenizer
-        ids = prompt_of(body, tokenizer, chat)
+        ids = prompt_of(body, server.engine.tokenizer, chat)
         stream = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
-        model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
-        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        reply = Reply(reply_id, model, chat, tokenizer, stream and flag(options, "include_usage"))
+        include_usage = stream and flag(options, "include_usage")
         params = choices(body, sampling_params(body, ids, server.engine, server.defaults, chat))
+        model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
+                      server.engine.tokenizer, len(ids), params[0].logprobs is not None,
+                      include_usage)
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
             events = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
                 answer = self._stream if stream else self._answer
-                answer(reply, self._events(events, n, keepalive=stream), len(ids), params)
-            except OSError:  # the client left (ClientGone, a broken pipe, a reset, a write timeout)
+                answer(reply, self._events(events, n, keepalive=stream), n)
+            except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
-                for request_id in request_ids:  # frees it now if its client left
+                # frees it now if its client left
+                for request_id in request_ids:
                     server.loop.abort(request_id)
 
     chat_completions = functools.partialmethod(_generate, chat=True)
     completions = functools.partialmethod(_generate, chat=False)
 
-    def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], num_prompt: int,
-                params: list) -> None:
-        """Server-Sent Events as OpenAI sends them, one chunk per piece of text as soon as it exists."""
+    def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
+        """Server-Sent Events as OpenAI sends them: a chunk per piece of text once it exists."""
         self._start_events()
         if reply.chat:
-            for i in range(len(params)):
+            for i in range(n):
                 self._sse(reply.chunk(ChoiceDelta(i), role=True))
         done = []
         for delta in deltas:
@@ -632,45 +654,42 @@ class Handler(BaseHTTPRequestHandler):
                 break
             if delta.text or delta.logprobs:
                 self._sse(reply.chunk(dataclasses.replace(delta, finish_reason=None)))
-            if delta.finish_reason:  # in a chunk of its own, as OpenAI sends it
+            # the finish in a chunk of its own, as OpenAI sends it
+            if delta.finish_reason:
                 self._sse(reply.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason)))
                 done.append(delta)
-        if reply.include_usage and len(done) == len(params):
-            self._sse(reply.usage_chunk(usage(num_prompt, done)))
+        if reply.include_usage and len(done) == n:
+            self._sse(reply.usage_chunk(done))
         self.wfile.write(b"data: [DONE]\n\n")
 
-    def _answer(self, reply: Reply, deltas: Iterator[ChoiceDelta], num_prompt: int,
-                params: list) -> None:
+    def _answer(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
         got = list(deltas)
         if errors := [e.error for e in got if e.error]:
             raise errors[0]
-        logprobs = params[0].logprobs is not None
-        finished = [e for e in got if e.finish_reason]
-        self._send_json(200, reply.whole(got, logprobs, usage(num_prompt, finished)))
+        self._send_json(200, reply.whole(got))
 
     def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
-        """The deltas of n choices until each has its last; ClientGone once the client left. A
-        stream that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
+        """The deltas of n choices until each has its last, or until the client leaves. A stream
+        that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
         quiet_since = time.monotonic()
         while n:
             try:
-                event = events.get(timeout=POLL_S)
+                delta = events.get(timeout=POLL_S)
             except queue.Empty:
-                event = None
+                delta = None
             if peer_closed(self.connection, poller):
-                raise ClientGone
-            if event is None:
-                if keepalive and time.monotonic() - quiet_since > KEEPALIVE_S:
-                    self.wfile.write(b": keep-alive\n\n")
-                    quiet_since = time.monotonic()
-                continue
-            quiet_since = time.monotonic()
-            yield event
-            if event.error:
-                return
-            n -= event.finish_reason is not None
+                raise ConnectionAbortedError("the client left")
+            if delta is not None:
+                quiet_since = time.monotonic()
+                yield delta
+                if delta.error:
+                    return
+                n -= delta.finish_reason is not None
+            elif keepalive and time.monotonic() - quiet_since > KEEPALIVE_S:
+                self.wfile.write(b": keep-alive\n\n")
+                quiet_since = time.monotonic()
 
     # ---- reading and writing
 
@@ -703,7 +722,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-Accel-Buffering", "no")  # nginx: pass each chunk on at once
+        # nginx: pass each chunk on at once
+        self.send_header("X-Accel-Buffering", "no")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
@@ -726,38 +746,25 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, e: HTTPError) -> None:
         self.server.metrics.rejected(e.code)
-        self.close_connection = True  # what is left of the request body may still be on the socket
+        # what is left of the request body may still be on the socket
+        self.close_connection = True
         self._send_json(e.status, e.body(), {**e.headers, "Connection": "close"})
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The standard library's own errors (a bad request line, headers too large) as OpenAI JSON too."""
+        """The standard library's own errors (a bad request line, huge headers) as JSON too."""
         self._send_error(HTTPError(code, message or HTTPStatus(code).phrase))
 
     def log_message(self, format: str, *args) -> None:
         log.debug("%s %s " + format, self.request_id, self.address_string(), *args)
 
 
-def usage(num_prompt: int, finished: list[ChoiceDelta]) -> dict:
-    completion = sum(e.completion_tokens for e in finished)
-    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
-            "total_tokens": num_prompt + completion}
-
-
 # path -> (method, endpoint): every route the server answers
-ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions), "/v1/completions": ("POST", Handler.completions),
-          "/v1/models": ("GET", Handler.models), "/tokenize": ("POST", Handler.tokenize),
-          "/detokenize": ("POST", Handler.detokenize), "/health": ("GET", Handler.health),
-          "/metrics": ("GET", Handler.metrics), "/": ("GET", Handler.live_page),
-          "/v1/engine/events": ("GET", Handler.engine_events),
+ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions),
+          "/v1/completions": ("POST", Handler.completions), "/v1/models": ("GET", Handler.models),
+          "/tokenize": ("POST", Handler.tokenize), "/detokenize": ("POST", Handler.detokenize),
+          "/health": ("GET", Handler.health), "/metrics": ("GET", Handler.metrics),
+          "/": ("GET", Handler.live_page), "/v1/engine/events": ("GET", Handler.engine_events),
           "/v1/engine/burst": ("POST", Handler.engine_burst)}
-
-
-def drain(queues: list[queue.Queue]) -> None:
-    """Read a burst's deltas to their ends; nobody else listens to them."""
-    for events in queues:
-        event = events.get()
-        while not (event.finish_reason or event.error):
-            event = events.get()
 
 
 def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
@@ -771,16 +778,20 @@ def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server, its engine thread and metrics; `start()` serves in the background. It may
-    listen before the model has loaded (`attach` brings the engine): /health says 503."""
+    """The HTTP server, its engine thread and metrics; it listens before `attach` brings a model."""
 
-    request_queue_size = 128  # listen backlog: a burst of clients connects at once (the default is 5)
+    request_queue_size = 128  # listen backlog: a burst of clients connects at once (default: 5)
 
-    def __init__(self, host: str, port: int, model_names: list[str], api_key: str | None,
-                 max_waiting: int, allowed_origins: list[str], generation_config: dict):
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *,
+                 model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
+                 max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
+                 generation_config: dict | None = None):
         super().__init__((host, port), Handler)
-        self.model_names, self.api_key, self.max_waiting = model_names, api_key, max_waiting
-        self.allowed_origins, self.generation_config = allowed_origins, generation_config
+        self.model_names = [model] if isinstance(model, str) else list(model)
+        self.api_key = api_key
+        self.max_waiting = max_waiting
+        self.allowed_origins = list(allowed_origins)
+        self.generation_config = generation_config or {}
         self.created = int(time.time())
         self.metrics = Metrics()
         self.engine: Engine | None = None
@@ -792,8 +803,7 @@ class Server(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return "http://%s:%d" % self.server_address[:2]
 
     @property
     def state(self) -> str:
@@ -802,7 +812,8 @@ class Server(ThreadingHTTPServer):
     def attach(self, llm: LLM) -> "Server":
         """Serve `llm` from now on."""
         self.defaults = {**llm.generation_config, **self.generation_config}
-        SamplingParams(**self.defaults)  # a bad override fails here, not in every request
+        # a bad override fails here, not in every request
+        SamplingParams(**self.defaults)
         if self.defaults:
             log.info("sampling defaults where a request says nothing: %s", self.defaults)
         self.engine = llm.engine
@@ -845,22 +856,16 @@ class Server(ThreadingHTTPServer):
                 self.idle.notify_all()
 
 
-def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000, *,
-                model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
-                max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
-                generation_config: dict | None = None) -> Server:
-    """A server for `llm` (or, until `attach`, for none) on host:port (0 picks a free port); call
-    `.start()`, later `.shutdown()`. `generation_config` overrides the model's sampling defaults."""
-    names = [model] if isinstance(model, str) else list(model)
-    server = Server(host, port, names, api_key, max_waiting, list(allowed_origins),
-                    generation_config or {})
+def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000,
+                **options) -> Server:
+    """A server for `llm` (None: until `attach`) on host:port (0: any free); `.start()` it.
+    `generation_config` (a Server option) overrides the model's sampling defaults."""
+    server = Server(host, port, **options)
     return server.attach(llm) if llm is not None else server
 
 
 def model_id(ckpt: str | None) -> str:
-    if ckpt is None:
-        return DEMO_MODEL_ID
-    path = Path(ckpt)
+    path = Path(ckpt or DEMO_MODEL_ID)
     return path.stem if path.suffix == ".gguf" else path.name
 
 
@@ -872,30 +877,28 @@ def json_object(text: str) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible server for "
-                                f"nanoflow: {', '.join(ROUTES)} (/ is a live view of the engine).")
-    p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file; default: the demo "
-                   f"{DEMO_MODEL_ID}, downloaded once")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
-                   "only; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible "
+                                f"server: {', '.join(ROUTES)} (/ watches the engine live).")
+    p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file (default: the "
+                   f"demo {DEMO_MODEL_ID}, downloaded once)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every "
+                   "interface (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's names in "
                    "the API, the first in answers (default: the checkpoint's name)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a jinja2 chat template to use instead of the model's own")
     EngineConfig.add_flags(p)
     p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
-                   help="sampling defaults over the model's generation_config.json, "
-                   'e.g. \'{"temperature": 0.7}\'')
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every path but /health")
+                   help='sampling defaults over generation_config.json\'s, e.g. '
+                   '\'{"temperature": 0.7}\'')
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser "
-                   "origins allowed to call the API (CORS), e.g. http://localhost:3000, or * "
-                   "(default: none)")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests waiting for their "
-                   "first token beyond which new ones get 503 with Retry-After (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, "
-                   "seconds the requests in flight may take to finish before they are cut "
-                   "(default: %(default)s)")
+                   "origins that may call the API (CORS), e.g. http://localhost:3000, or *")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without "
+                   "a first token beyond which new ones get 503 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on "
+                   "SIGTERM, seconds in-flight requests may take to finish (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 

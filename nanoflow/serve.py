@@ -108,7 +108,7 @@ class ChoiceDelta:
 class Choice:
     """The engine thread's record of one connection's request (one of its `n` choices)."""
 
-    events: queue.Queue
+    deltas: queue.Queue  # where the engine thread puts this choice's ChoiceDeltas
     index: int
     tag: str  # the X-Request-Id, for the log
     request: Request | None = None  # once the engine has added it
@@ -145,7 +145,7 @@ class EngineLoop(threading.Thread):
     def submit(self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
                tag: str) -> queue.Queue:
         """Queue a checked request's choices; their deltas will arrive on the returned queue."""
-        events: queue.Queue = queue.Queue()
+        deltas: queue.Queue = queue.Queue()
         with self.lock:
             if self.stopping:
                 raise HTTPError(503, "the server is shutting down")
@@ -154,9 +154,9 @@ class EngineLoop(threading.Thread):
                                 "shortly", "overloaded", {"Retry-After": str(RETRY_AFTER_S)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
-                choice = Choice(events, i, tag)
+                choice = Choice(deltas, i, tag)
                 self.inbox.put(functools.partial(self._add, request_id, prompt_ids, p, choice))
-        return events
+        return deltas
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
@@ -176,7 +176,7 @@ class EngineLoop(threading.Thread):
     def run(self) -> None:
         while self._take_inbox(block=not self.engine.has_unfinished()):
             try:
-                done = self.engine.step()
+                stepped = self.engine.step()
             except Exception:
                 log.exception("engine step failed; aborting every request")
                 self._abort_all(HTTPError(500, "the engine failed while running this request; "
@@ -184,10 +184,10 @@ class EngineLoop(threading.Thread):
                 continue
             # before the deltas, so that a finished client sees its blocks free
             self.snapshot = self.engine.stats()
-            for req in done:
+            for req in stepped:
                 self._publish(self.choices[req.request_id])
             if self.live.viewers:
-                self.live.observe(done)
+                self.live.observe(stepped)
 
     def _take_inbox(self, block: bool) -> bool:
         """Make the inbox's calls (waiting for one when idle); False once asked to stop."""
@@ -216,7 +216,7 @@ class EngineLoop(threading.Thread):
             # checked already; whatever still fails is this request's problem alone
             self._unqueue(choice)
             error = HTTPError(400 if isinstance(e, ValueError) else 500, str(e))
-            choice.events.put(ChoiceDelta(error=error))
+            choice.deltas.put(ChoiceDelta(error=error))
             return
         self.choices[request_id] = choice
 
@@ -247,7 +247,7 @@ class EngineLoop(threading.Thread):
             del self.choices[req.request_id]
             self._log_finished(req, choice.tag)
         if delta.text or delta.logprobs or delta.finish_reason:
-            choice.events.put(delta)
+            choice.deltas.put(delta)
 
     def _unqueue(self, choice: Choice) -> None:
         with self.lock:
@@ -363,7 +363,7 @@ def num_logprobs(body: dict, chat: bool) -> int | None:
     return (body.get("top_logprobs") or 0) if flag(body, "logprobs") else None
 
 
-def choices(body: dict, params: SamplingParams) -> list[SamplingParams]:
+def per_choice_params(body: dict, params: SamplingParams) -> list[SamplingParams]:
     """`n` copies of the request; seeded, choice i samples with seed + i (so that they differ)."""
     n = 1 if body.get("n") is None else body["n"]
     if not (type(n) is int and 1 <= n <= MAX_CHOICES):
@@ -488,6 +488,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self._discard(length)
             if path not in ROUTES:
                 raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
+            # ROUTES: at the end of this file, after the handlers it names
             method, endpoint = ROUTES[path]
             if self.command == "OPTIONS":  # a browser's CORS preflight: no key, no body
                 preflight = {"Allow": f"{method}, OPTIONS", **self._preflight(method)}
@@ -619,7 +620,7 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
         include_usage = stream and flag(options, "include_usage")
-        params = choices(body, sampling_params(body, ids, server.engine, server.defaults, chat))
+        params = per_choice_params(body, sampling_params(body, ids, server.engine, server.defaults, chat))
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                       server.engine.tokenizer, len(ids), params[0].logprobs is not None,
@@ -627,10 +628,10 @@ class Handler(BaseHTTPRequestHandler):
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
-            events = server.loop.submit(request_ids, ids, params, self.request_id)
+            deltas = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
                 answer = self._stream if stream else self._answer
-                answer(reply, self._events(events, n, keepalive=stream), n)
+                answer(reply, self._deltas(deltas, n, keepalive=stream), n)
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
@@ -668,7 +669,7 @@ class Handler(BaseHTTPRequestHandler):
             raise errors[0]
         self._send_json(200, reply.whole(got))
 
-    def _events(self, events: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
+    def _deltas(self, deltas: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
         """The deltas of n choices until each has its last, or until the client leaves. A stream
         that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
         poller = select.poll()
@@ -676,7 +677,7 @@ class Handler(BaseHTTPRequestHandler):
         quiet_since = time.monotonic()
         while n:
             try:
-                delta = events.get(timeout=POLL_S)
+                delta = deltas.get(timeout=POLL_S)
             except queue.Empty:
                 delta = None
             if peer_closed(self.connection, poller):

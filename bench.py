@@ -4,8 +4,9 @@
 lengths, each request's reading rate), runs it on the real engine in this process once per policy,
 and prints TTFT, stalls, QoE and throughput of each (docs/scheduling.md). The same driver runs a
 simulated engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload
-through a running server and times tokens at the client. `--kernels` and `--transfers` time the GPU
-parts; `--vs-transformers` compares offline generation with HuggingFace transformers.
+through a running server and times tokens at the client; `--multi-turn N` runs N conversations
+whose turns resend the whole conversation. `--kernels` and `--transfers` time the GPU parts;
+`--vs-transformers` compares offline generation with HuggingFace transformers.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import gzip
+import heapq
 import http.client
 import importlib.util
 import itertools
@@ -48,7 +50,6 @@ TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., 
 MOONCAKE_CREDIT = ("Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: "
                    "Trading More Storage for Less Computation\", FAST 2025")
 TRACE_BLOCK = 512  # tokens behind each of a Mooncake trace's hash ids
-REAL_HOST_KV_GB = 4.0  # the real engine's host pool unless --host-kv-gb: LLM's default
 PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60% at 20
 # auto rates: the readers' peak total demand takes DEMAND_SHARE of the measured capacity, and the
 # fastest reader reads at most SPEED_SHARE as fast as a running request decodes
@@ -80,15 +81,21 @@ class Workload:
     seed: int
     source: str
     block_ids: list[list[int]] | None = None  # a Mooncake trace's: equal ids, equal blocks
+    block_tokens: int = TRACE_BLOCK  # tokens behind each of block_ids
+    # a later turn's previous turn (negative: none); its arrival counts from that turn's last token
+    follows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
 
-    def prompt_ids(self, i: int) -> list[int]:
+    def prompt_ids(self, i: int, history: list[int] = ()) -> list[int]:
+        """The trace's blocks, or `history` (a previous turn's prompt and answer) and new tokens."""
         if self.block_ids:
-            return list(b"".join(map(trace_block, self.block_ids[i]))[:self.prompt_len[i]])
+            blocks = (trace_block(b, self.block_tokens) for b in self.block_ids[i])
+            return list(b"".join(blocks)[:self.prompt_len[i]])
         rng = random.Random(self.seed * 1_000_003 + i)
-        return [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i])]
+        new = [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i] - len(history))]
+        return [*history, *new][:self.prompt_len[i]]
 
     def params(self, i: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.output_len[i], temperature=0, ignore_eos=True,
@@ -104,9 +111,9 @@ class Workload:
 
 
 @functools.cache
-def trace_block(block_id: int) -> bytes:
+def trace_block(block_id: int, size: int) -> bytes:
     """The tokens (bytes: below PROMPT_VOCAB) of one of a trace's hash ids."""
-    return random.Random(block_id).randbytes(TRACE_BLOCK)
+    return random.Random(block_id).randbytes(size)
 
 
 def read_trace(path: str, time_scale: float) -> list[tuple]:
@@ -149,14 +156,39 @@ def parse_mix(text: str) -> list[tuple[float, float]]:
     return [(float(r), float(s) if s else 1.0) for r, _, s in pairs]
 
 
+def conversations(args: argparse.Namespace, rng, length) -> tuple[list, list, list, list, str]:
+    """args.multi_turn conversations of args.turns turns (turn k of conversation c is request
+    k * N + c), the first turns spread over one think time: each turn's prompt is the previous
+    prompt and answer plus a new message, sent a think time after that answer ends."""
+    n, think = args.multi_turn, args.think_time
+    arrival = sorted(rng.uniform(0, think) for _ in range(n))
+    prompts = [length(args.prompt_len) for _ in range(n)]
+    outputs = [length(args.output_len) for _ in range(n)]
+    for i in range(n, n * args.turns):
+        arrival.append(think * rng.expovariate(1.0))
+        prompts.append(prompts[i - n] + outputs[i - n] + length(args.prompt_len))
+        outputs.append(length(args.output_len))
+    follows = [i - n for i in range(n * args.turns)]
+    return arrival, prompts, outputs, follows, f"{n} conversations of {args.turns} turns, think " \
+        f"time {think} s; message {args.prompt_len}, answer {args.output_len} tokens"
+
+
 def build_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
-    block_ids = None
+    length = lambda dist: max(1, round(rng.gauss(*parse_dist(dist))))  # noqa: E731
+    block_ids = follows = None
     if args.trace:
         rows = read_trace(args.trace, args.time_scale)
+        if args.conversations:  # a conversation's turns share their first hash id
+            firsts = set(list(dict.fromkeys(r[3][0] for r in rows))[:args.conversations])
+            rows = [r for r in rows if r[3][0] in firsts]
         arrival, prompts, outputs, block_ids = map(list, zip(*rows))
         block_ids = block_ids if block_ids[0] is not None else None
+        # smaller blocks, shorter prompts: the same prefix structure at a smaller scale
+        prompts = [math.ceil(n * args.trace_block / TRACE_BLOCK) for n in prompts]
         source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale})"
+    elif args.multi_turn:
+        arrival, prompts, outputs, follows, source = conversations(args, rng, length)
     else:
         if args.burst:
             arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
@@ -166,14 +198,14 @@ def build_workload(args: argparse.Namespace) -> Workload:
                 arrival.append(t)
                 t += rng.expovariate(args.poisson)
             source = f"poisson {args.poisson}/s for {args.duration} s ({len(arrival)} requests)"
-        draw = lambda mean, spread: max(1, round(rng.gauss(mean, spread)))  # noqa: E731
-        prompts = [draw(*parse_dist(args.prompt_len)) for _ in arrival]
-        outputs = [draw(*parse_dist(args.output_len)) for _ in arrival]
+        prompts = [length(args.prompt_len) for _ in arrival]
+        outputs = [length(args.output_len) for _ in arrival]
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
     rates = [clamp_read_rate(r) for r in rates]
-    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids)
+    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids,
+                    args.trace_block, follows)
 
 
 # ---------------------------------------------------------------- readers: `--read-rate auto`
@@ -239,6 +271,7 @@ class Run:
     makespan: float
     counters: dict = field(default_factory=dict)
     wall: float = 0.0
+    requests: list = field(default_factory=list)  # the engine's, in the workload's order
 
     @functools.cached_property
     def summary(self) -> dict:
@@ -270,28 +303,39 @@ def wait_until(engine, t: float) -> None:
 
 
 def drive(engine, w: Workload, label: str) -> Run:
-    """Add requests whose arrival time has come, step, and when idle wait for the next arrival."""
+    """Add requests whose arrival time has come, step, and when idle wait for the next arrival; a
+    later turn is due a think time after its previous turn's last token."""
     wall, before = time.monotonic(), engine.stats()
-    start, reqs, bar = engine.clock(), [], Progress(label, len(w))
-    due = lambda: start + w.arrival[len(reqs)]  # noqa: E731
-    while len(reqs) < len(w) or engine.has_unfinished():
-        while len(reqs) < len(w) and due() <= engine.clock():
-            i = len(reqs)
-            reqs.append(engine.add_request(w.prompt_ids(i), w.params(i), arrival_time=due()))
+    start, reqs, bar = engine.clock(), {}, Progress(label, len(w))
+    follows = w.follows or [-1] * len(w)
+    due = [(start + a, i) for i, (a, f) in enumerate(zip(w.arrival, follows)) if f < 0]
+    turns = {f: i for i, f in enumerate(follows) if f >= 0}  # previous turn -> next turn
+    while due or engine.has_unfinished():
+        while due and due[0][0] <= engine.clock():
+            t, i = heapq.heappop(due)
+            history = reqs[follows[i]].token_ids if follows[i] >= 0 else ()
+            reqs[i] = engine.add_request(w.prompt_ids(i, history), w.params(i), arrival_time=t)
         if engine.has_unfinished():
             engine.step()
-        elif len(reqs) < len(w):
-            wait_until(engine, due())
+        elif due:
+            wait_until(engine, due[0][0])
+        for prev in [p for p in turns if p in reqs and reqs[p].is_finished]:
+            i = turns.pop(prev)
+            heapq.heappush(due, (reqs[prev].token_times[-1] + w.arrival[i], i))
         if bar.due():
-            bar.show(sum(r.is_finished for r in reqs), sum(r.num_output_tokens for r in reqs))
+            bar.show(sum(r.is_finished for r in reqs.values()),
+                     sum(r.num_output_tokens for r in reqs.values()))
+    reqs = [reqs[i] for i in range(len(w))]
     bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
     counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
-    return finish_run(label, [r.record() for r in reqs], start + w.arrival[0], counters, wall)
+    return finish_run(label, [r.record() for r in reqs], start + w.arrival[0], counters, wall,
+                      reqs)
 
 
-def finish_run(label: str, records: list, start: float, counters: dict, wall: float) -> Run:
+def finish_run(label: str, records: list, start: float, counters: dict, wall: float,
+               reqs: list = ()) -> Run:
     end = max((r.token_times[-1] for r in records if r.token_times), default=start)
-    return Run(label, records, start, end - start, counters, time.monotonic() - wall)
+    return Run(label, records, start, end - start, counters, time.monotonic() - wall, list(reqs))
 
 
 def http_call(url: str, method: str, path: str, body: dict | None = None):
@@ -365,7 +409,8 @@ def kv_blocks(w: Workload, frac: float) -> int:
 
 def engine_factory(args: argparse.Namespace, w: Workload):
     """policy -> a fresh engine (real or simulated), and a description of it."""
-    frac = args.kv_frac or (None if args.simulate or args.trace else DEFAULT_KV_FRAC)
+    all_memory = args.simulate or args.trace or args.multi_turn
+    frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
     blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
     if args.simulate:
         from nanoflow.sim import PRESETS, build_engine
@@ -629,10 +674,9 @@ def bench_kernels() -> dict:
     print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} {'time us':>9} {'GB/s':>7} {'of copy':>7}")
     for batch, context in itertools.product(KERNEL_BATCHES, KERNEL_CONTEXTS):
-        num_blocks = batch * context // BLOCK_SIZE  # each block in one sequence, in random order
-        pool = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype,
-                           device="cuda")
-        tables = torch.randperm(num_blocks, device="cuda").view(batch, -1).int()
+        blocks = batch * context // BLOCK_SIZE  # each block in one sequence, in random order
+        pool = torch.randn(blocks, 2, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device="cuda")
+        tables = torch.randperm(blocks, device="cuda").view(batch, -1).int()
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
         s = cuda_time(lambda: decode_attention_triton(q, pool[:, 0], pool[:, 1], tables, lens,
@@ -670,17 +714,9 @@ def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
     sw.device.free_blocks = deque(random.sample(range(blocks), blocks))
     req = fake_request([], blocks * BLOCK_SIZE)
     sw.device.grow(req.block_table, req.num_computed_tokens)
-
-    def evict():
-        sw.forget(req)  # drop the host copy, so that every block is copied again
-        sw.evict(req)
-        sw.complete_all()
-
-    def load():
-        sw.load(req)
-        sw.complete_all()
-        torch.cuda.synchronize()
-
+    # forget the host copy first, so that every block is copied again
+    evict = lambda: (sw.forget(req), sw.evict(req), sw.complete_all())  # noqa: E731
+    load = lambda: (sw.load(req), sw.complete_all(), torch.cuda.synchronize())  # noqa: E731
     rounds = [(seconds(evict), seconds(load)) for _ in range(1 + ITERS // 2)][1:]  # 1st: warm-up
     return tuple(blocks * sw.block_bytes / statistics.median(t) for t in zip(*rounds))
 
@@ -690,18 +726,17 @@ def bench_transfers() -> dict:
     from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
     block_bytes = BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16.itemsize)
     sw = llama_swapper(TRANSFER_BYTES // block_bytes)
-    nbytes, (to_host, to_device) = sw.device.num_blocks * sw.block_bytes, swapper_bandwidth(sw)
+    nbytes, ours = sw.device.num_blocks * sw.block_bytes, swapper_bandwidth(sw)
     del sw
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     raw = (nbytes / cuda_time(lambda: pinned.copy_(dev, non_blocking=True)),
            nbytes / cuda_time(lambda: dev.copy_(pinned, non_blocking=True)))
-    print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs one "
-          "pinned copy_")
-    print(f"{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
-    for name, ours, theirs in zip(("device->host", "host->device"), (to_host, to_device), raw):
-        print(f"{name:>13} {ours / 1e9:>13.1f} {theirs / 1e9:>9.1f} {ours / theirs:>6.0%}")
-    shares = (to_host / raw[0], to_device / raw[1])
+    print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs "
+          f"one pinned copy_\n{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
+    for name, x, y in zip(("device->host", "host->device"), ours, raw):
+        print(f"{name:>13} {x / 1e9:>13.1f} {y / 1e9:>9.1f} {x / y:>6.0%}")
+    shares = (ours[0] / raw[0], ours[1] / raw[1])
     slowdown = bench_decode_beside_write_through()
     return dict(to_host_share=shares[0], to_device_share=shares[1], write_through_slowdown=slowdown,
                 summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through "
@@ -742,15 +777,14 @@ def bench_decode_speed(device: str = "cuda") -> dict:
     the weights and the batch's KV read once per step at the measured copy rate."""
     model, peak, rows = random_model(device), copy_bandwidth(), []
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    for batch in KERNEL_BATCHES:
+    for batch, mode in itertools.product(KERNEL_BATCHES, ("eager", "graphs")):
         pool = llama_pool(batch * DECODE_CONTEXT // BLOCK_SIZE, device)
         floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak
-        for mode in ("eager", "graphs"):
-            s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
-            rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
-                             share_of_floor=floor / s))
-            print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of "
-                  "the bandwidth floor")
+        s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
+        rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
+                         share_of_floor=floor / s))
+        print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of the "
+              "bandwidth floor")
         del pool
         free_device_memory()
     shares = [f"batch {r['batch']} {r['mode']} {r['share_of_floor']:.0%}" for r in rows]
@@ -763,10 +797,8 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
     sw = llama_swapper(DECODE_BATCH * DECODE_CONTEXT // BLOCK_SIZE, device)
     forward, tables = decode_forward(random_model(device), sw.device, DECODE_BATCH, DECODE_CONTEXT)
     reqs = [fake_request(t, DECODE_CONTEXT - 1) for t in tables]
-
-    def step():
-        forward()
-        torch.cuda.current_stream().synchronize()  # the compute stream: copies may still run
+    # the compute stream only: copies may still be running
+    step = lambda: (forward(), torch.cuda.current_stream().synchronize())  # noqa: E731
 
     def write_through_then_step() -> float:
         sw.complete_all()
@@ -812,19 +844,18 @@ def burst_check(args: argparse.Namespace) -> dict:
 def gpu_check(args: argparse.Namespace) -> dict:
     """--gpu-check's steps in order, or those of --kernels and --transfers; one that needs a GPU
     is skipped without one; a failure is recorded, not raised, so that one run reports on all."""
-    steps = [("cuda tests", run_cuda_tests), ("kernels", bench_kernels),
-             ("transfers", bench_transfers), ("decode", bench_decode_speed),
-             ("burst", lambda: burst_check(args))]
+    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels,
+             "transfers": bench_transfers, "decode": bench_decode_speed,
+             "burst": lambda: burst_check(args)}
     results = {}
-    for name, fn in steps:
-        if not (args.gpu_check or getattr(args, name, False)):
-            continue
+    flagged = [n for n in ("kernels", "transfers") if getattr(args, n)]
+    for name in list(steps) if args.gpu_check else flagged:
         print(f"== {name}", flush=True)
-        if name != "burst" and not torch.cuda.is_available():
-            results[name] = dict(status="skipped", summary="needs a CUDA GPU; none here")
-            continue
         try:
-            results[name] = dict(status="ran", **fn())
+            if name != "burst" and not torch.cuda.is_available():
+                results[name] = dict(status="skipped", summary="needs a CUDA GPU; none here")
+            else:
+                results[name] = dict(status="ran", **steps[name]())
         except Exception as e:  # noqa: BLE001 (one step's failure must not hide the others')
             summary = f"{type(e).__name__}: {e}".splitlines()[0]
             results[name] = dict(status="failed", summary=summary, error=str(e))
@@ -834,7 +865,7 @@ def gpu_check(args: argparse.Namespace) -> dict:
     path = args.json or (GPU_CHECK_JSON if args.gpu_check else None)
     if path:
         Path(path).write_text(json.dumps(report, indent=2, default=str))
-    print(f"\n{' '.join(results)} on {report['device']} (torch {torch.__version__}); JSON: {path}")
+    print(f"\n{', '.join(results)} on {report['device']} (torch {torch.__version__}); JSON: {path}")
     print("| step | status | result |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['status']} | {r['summary']} |")
@@ -883,27 +914,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work("--poisson", type=float, metavar="RATE", help="Poisson arrivals, RATE requests/s")
     work("--trace", metavar="FILE", help="replay a CSV of arrival_s,prompt_tokens,output_tokens "
          f"(data/azure_code_burst_10min.csv: the {TRACE_CREDIT}) or a Mooncake JSONL")
-    add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: %(default)s)")
+    work("--multi-turn", type=int, metavar="N", help="N conversations of --turns turns each")
+    add("--turns", type=int, default=3, help="--multi-turn: turns per conversation (default: 3)")
+    add("--think-time", type=float, default=5.0, help="--multi-turn: mean s (exponential) from "
+        "an answer's end to the next turn (default: 5)")
+    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per hash id of a Mooncake "
+        f"trace; its prompt lengths scale along (default: {TRACE_BLOCK}, as recorded)")
+    add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K "
+        "conversations, all their turns")
+    add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
-    add("--prompt-len", help="prompt tokens, MEAN[:SPREAD] of a normal (default: 64:16; 128 for "
-        "--vs-transformers)")
-    add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD]; each runs to its "
-        "length (default: %(default)s)")
-    add("--read-rate", default="auto", help="readers' tokens/s: RATE, a mix RATE:SHARE,... "
-        f"({PAPER_MIX} is the paper's) or auto: the paper's mix scaled to this engine's measured "
-        "speed, so that readers are slower than decoding and demand fits capacity (default: auto)")
+    add("--prompt-len", help="prompt (--multi-turn: message) tokens, MEAN[:SPREAD] of a normal "
+        "(default: 64:16; 128 for --vs-transformers)")
+    add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD] (default: 128:32)")
+    add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
+        "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
     add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
-    add("--uncharged", action="store_true", help="--simulate: the scheduler's measured CPU time "
-        "stays off the virtual clock, so that runs repeat exactly")
+    add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
     add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
-    add("--kv-frac", type=float, help="device KV pool as a share of what the workload needs at "
-        f"full length (default: {DEFAULT_KV_FRAC} for --burst and --poisson, else all memory)")
+    add("--kv-frac", type=float, help="device KV pool: share of the workload at full length "
+        f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, else all memory)")
     add("--host-kv-gb", type=float, help="host memory (GiB) for swapped-out and cached KV "
         f"(default: {EngineConfig.host_kv_gb}; --simulate: the preset's)")
     add("--context", type=int, default=8192, help="--http: clamp lengths to this (default: 8192)")
@@ -911,33 +947,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs")
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps and write-through (GPU only)")
-    add("--gpu-check", action="store_true", help="what to run first on a GPU: the cuda tests, "
-        "--kernels, --transfers, decode speed against the bandwidth floor, a short burst; one "
-        f"table and one JSON (--json, default {GPU_CHECK_JSON})")
+    add("--gpu-check", action="store_true", help="cuda tests, --kernels, --transfers, decode "
+        f"speed and a burst: one table, one JSON (--json, default {GPU_CHECK_JSON})")
     add("--vs-transformers", action="store_true", help="LLM.generate against transformers'")
-    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate each regime of the "
-        "matrix under both policies: a verdict per row (FILTER: rows whose name contains it)")
+    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate each regime (or those "
+        "whose name contains FILTER) under both policies: a verdict per row")
     add("--sched-cost", action="store_true", help="time a decision at 256 and 1024 running")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
     modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.calibrate,
              args.matrix is not None, args.sched_cost)
-    if not (args.burst or args.poisson or args.trace or any(modes)):
-        ap.error("choose a workload (--burst, --poisson, --trace) or a mode (--matrix, --gpu-check,"
-                 " --kernels, --transfers, --vs-transformers, --calibrate, --sched-cost)")
+    if not (args.burst or args.poisson or args.trace or args.multi_turn or any(modes)):
+        ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
         parse_dist(args.prompt_len or "1"), parse_dist(args.output_len)
         parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     except ValueError:
-        ap.error("--prompt-len and --output-len take MEAN[:SPREAD]; --read-rate takes "
-                 "RATE[:SHARE],... or auto")
+        ap.error("--prompt-len, --output-len: MEAN[:SPREAD]; --read-rate: RATE[:SHARE],... or auto")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+    if args.conversations and ".jsonl" not in (args.trace or ""):
+        ap.error("--conversations takes the conversations of a Mooncake trace (--trace *.jsonl)")
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
-    if args.http and args.read_rate == "auto":
-        ap.error("--http needs --read-rate: auto measures an engine in this process")
+    if args.http and (args.read_rate == "auto" or args.multi_turn):
+        ap.error("--http needs --read-rate (auto measures an engine in this process) and no "
+                 "--multi-turn (a later turn needs the answer's tokens)")
     return args
 
 
@@ -959,10 +995,10 @@ def serving_bench(args: argparse.Namespace) -> None:
     runs, w, info = run_workload(args)
     print(f"workload: {w.source}; seed {args.seed}")
     if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
-        ids = [b[:cdiv(p, TRACE_BLOCK)] for b, p in zip(w.block_ids, w.prompt_len)]
-        capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // TRACE_BLOCK
+        ids = [b[:cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
+        capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // w.block_tokens
         print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
-              f"{TRACE_BLOCK}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
+              f"{w.block_tokens}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
               f"{lru_hit_rate(ids, math.inf):.1%}")
     print(f"engine: {info['engine']}")
     if "kv_blocks" in info:
@@ -1002,7 +1038,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.calibrate:
         from nanoflow.sim import calibrate
         print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
-    if args.burst or args.poisson or args.trace:
+    if args.burst or args.poisson or args.trace or args.multi_turn:
         serving_bench(args)
     if args.sched_cost:
         sched_cost()

@@ -994,17 +994,17 @@ def serving_bench(args: argparse.Namespace) -> None:
         print(f"trace: {credit}")
     runs, w, info = run_workload(args)
     print(f"workload: {w.source}; seed {args.seed}")
+    print(f"engine: {info['engine']}")
+    if "kv_blocks" in info:
+        print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
+              f"{info['probe_batch']} of the {len(w)} requests at full length")
+    print(f"readers: {info['rates']}")
     if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
         ids = [b[:cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
         capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // w.block_tokens
         print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
               f"{w.block_tokens}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
               f"{lru_hit_rate(ids, math.inf):.1%}")
-    print(f"engine: {info['engine']}")
-    if "kv_blocks" in info:
-        print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
-              f"{info['probe_batch']} of the {len(w)} requests at full length")
-    print(f"readers: {info['rates']}")
     print(table(runs))
     config = {**vars(args), "tokenflow": dataclasses.asdict(args.tokenflow or TokenFlowConfig()),
               **info, "mean_rate": sum(w.rate) / len(w), "workload": w.source,

@@ -160,7 +160,8 @@ def conversations(args: argparse.Namespace, rng, length) -> tuple[list, list, li
     """args.multi_turn conversations of args.turns turns (turn k of conversation c is request
     k * N + c), the first turns spread over one think time: each turn's prompt is the previous
     prompt and answer plus a new message, sent a think time after that answer ends."""
-    n, think = args.multi_turn, args.think_time
+    n = args.multi_turn
+    think = args.think_time
     arrival = sorted(rng.uniform(0, think) for _ in range(n))
     prompts = [length(args.prompt_len) for _ in range(n)]
     outputs = [length(args.output_len) for _ in range(n)]
@@ -471,30 +472,29 @@ ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "
         ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
         ("effective throughput (tok/s)", "effective_throughput", "{:.1f}"),
         ("throughput (tok/s)", "throughput", "{:.1f}"), ("makespan (s)", "makespan", "{:.1f}"),
-        ("preemptions (resumed by load/recompute)", "preemptions", "{:.0f}"),
-        ("GB moved host<->device", "gb", "{:.2f}"), ("prefix hits (device + host)", "prefix", "{}"),
+        ("preemptions (resumed by load/recompute)", "preemptions",
+         "{preemptions} ({resumes_load}/{resumes_recompute})"),
+        ("GB moved host<->device", "gb", "{:.2f}"),
+        ("prefix hits (device + host)", "prefix", "{device_hits:.1%} + {host_hits:.1%}"),
         ("requests completed", "completed", "{:.0f}")]
 
 
-def cell(s: dict, key: str, fmt: str) -> str:
-    if key == "preemptions":
-        return f"{s['preemptions']} ({s['resumes_load']}/{s['resumes_recompute']})"
-    if key == "prefix":
-        queried = max(1, s["prefix_queried_tokens"])
-        device, host = s["prefix_hit_tokens"] / queried, s["prefix_host_hit_tokens"] / queried
-        return f"{device:.1%} + {host:.1%}"
-    return fmt.format(s[key])
+def shown(s: dict) -> dict:
+    """A run's summary and what the table derives from it."""
+    queried = max(1, s["prefix_queried_tokens"])
+    hits = (s["prefix_hit_tokens"], s["prefix_host_hit_tokens"])
+    return {**s, "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
+            "prefix": sum(hits) / queried, "device_hits": hits[0] / queried,
+            "host_hits": hits[1] / queried}
 
 
 def table(runs: list[Run]) -> str:
-    sums = [{**s, "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
-             "prefix": (s["prefix_hit_tokens"] + s["prefix_host_hit_tokens"])
-             / max(1, s["prefix_queried_tokens"])} for s in (r.summary for r in runs)]
+    sums = list(map(shown, (r.summary for r in runs)))
     ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else []
     lines = [[""] + [r.name for r in runs] + ratio]
     for label, key, fmt in ROWS:
         ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if ratio else []
-        lines.append([label] + [cell(s, key, fmt) for s in sums] + ratio)
+        lines.append([label] + [fmt.format(s[key], **s) for s in sums] + ratio)
     widths = [max(map(len, column)) for column in zip(*lines)]
     return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
                                for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
@@ -726,7 +726,8 @@ def bench_transfers() -> dict:
     from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
     block_bytes = BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16.itemsize)
     sw = llama_swapper(TRANSFER_BYTES // block_bytes)
-    nbytes, ours = sw.device.num_blocks * sw.block_bytes, swapper_bandwidth(sw)
+    nbytes = sw.device.num_blocks * sw.block_bytes
+    ours = swapper_bandwidth(sw)
     del sw
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -887,7 +888,9 @@ def vs_transformers(args: argparse.Namespace) -> None:
     print(f"dtype: {dtype}")
     gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     hf = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, dtype=dtype, **gguf)
-    rng, vocab, n_new = random.Random(0), llm.engine.model.config.vocab_size, args.new_tokens
+    rng = random.Random(0)
+    vocab = llm.engine.model.config.vocab_size
+    n_new = args.new_tokens
     prompt_len = round(parse_dist(args.prompt_len or "128")[0])
     params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
     print(f"{'prompts':>8} {'nanoflow tok/s':>15} {'transformers tok/s':>19} {'ratio':>6}")
@@ -916,12 +919,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
          f"(data/azure_code_burst_10min.csv: the {TRACE_CREDIT}) or a Mooncake JSONL")
     work("--multi-turn", type=int, metavar="N", help="N conversations of --turns turns each")
     add("--turns", type=int, default=3, help="--multi-turn: turns per conversation (default: 3)")
-    add("--think-time", type=float, default=5.0, help="--multi-turn: mean s (exponential) from "
-        "an answer's end to the next turn (default: 5)")
+    add("--think-time", type=float, default=5.0, help="--multi-turn: mean s before a next turn")
     add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per hash id of a Mooncake "
         f"trace; its prompt lengths scale along (default: {TRACE_BLOCK}, as recorded)")
-    add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K "
-        "conversations, all their turns")
+    add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K chats")
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
     add("--prompt-len", help="prompt (--multi-turn: message) tokens, MEAN[:SPREAD] of a normal "
@@ -947,11 +948,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs")
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps and write-through (GPU only)")
-    add("--gpu-check", action="store_true", help="cuda tests, --kernels, --transfers, decode "
-        f"speed and a burst: one table, one JSON (--json, default {GPU_CHECK_JSON})")
+    add("--gpu-check", action="store_true", help="cuda tests, kernels, transfers, decode, burst")
     add("--vs-transformers", action="store_true", help="LLM.generate against transformers'")
-    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate each regime (or those "
-        "whose name contains FILTER) under both policies: a verdict per row")
+    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
+        "by name) under both policies: a verdict per row")
     add("--sched-cost", action="store_true", help="time a decision at 256 and 1024 running")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")

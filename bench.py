@@ -538,22 +538,21 @@ MATRIX_BASE = ("--simulate --preset h200-llama3-8b --prompt-len 512 --output-len
                "--read-rate 20 --seed 0")
 TRACE = Path(__file__).parent / "data" / "azure_code_burst_10min.csv"
 MIX = "--read-rate 15:0.4,20:0.6"
-MATRIX = [  # (name, arguments added to MATRIX_BASE, targets beyond the bar: metric -> x fcfs)
+MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
     ("burst 400", "--burst 400", {"ttft_p99": 0.15, "effective_throughput": 1.6}),
-    ("burst 400, interval 0.5 s", "--burst 400 --tokenflow interval=0.5", {}),
-    ("burst 200, long outputs",
-     "--burst 200 --prompt-len 1024 --output-len 4096 --read-rate 25", {}),
-    ("burst 64", "--burst 64", {}),
-    *[(f"poisson {rate}/s", f"--poisson {rate} --duration 60", {}) for rate in (2, 5, 7, 10)],
-    ("poisson 20/s (overload)", "--poisson 20 --duration 60", {}),
-    ("tight memory (400 blocks)", "--burst 400 --num-kv-blocks 400", {}),
+    ("burst 400, interval 0.5 s", "--burst 400 --tokenflow interval=0.5"),
+    ("burst 200, long outputs", "--burst 200 --prompt-len 1024 --output-len 4096 --read-rate 25"),
+    ("burst 64", "--burst 64"),
+    *[(f"poisson {rate}/s", f"--poisson {rate} --duration 60") for rate in (2, 5, 7, 10)],
+    ("poisson 20/s (overload)", "--poisson 20 --duration 60"),
+    ("tight memory (400 blocks)", "--burst 400 --num-kv-blocks 400"),
     ("long prompts, short outputs",
-     "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5", {}),
-    ("slow readers (5 tok/s)", "--burst 400 --read-rate 5", {}),
-    ("fast readers (40 tok/s)", "--burst 400 --read-rate 40", {}),
-    ("reader mix 15:0.4,20:0.6", f"--burst 400 {MIX}", {}),
-    ("azure code trace", f"--trace {TRACE} {MIX}", {}),
-    ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 {MIX}", {}),
+     "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5"),
+    ("slow readers (5 tok/s)", "--burst 400 --read-rate 5"),
+    ("fast readers (40 tok/s)", "--burst 400 --read-rate 40"),
+    ("reader mix 15:0.4,20:0.6", f"--burst 400 {MIX}"),
+    ("azure code trace", f"--trace {TRACE} {MIX}"),
+    ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 {MIX}"),
 ]
 # the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
 BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
@@ -576,10 +575,10 @@ def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]
 
 def run_matrix(rows: list[tuple[str, str, dict]], base: str = MATRIX_BASE):
     """Every row under both policies; yields (name, fcfs summary, tokenflow summary, misses)."""
-    for name, extra, targets in rows:
+    for name, extra, *targets in rows:
         runs, _, _ = run_workload(parse_args(f"{base} {extra} --policies fcfs,tokenflow".split()))
         fcfs, tokenflow = (r.summary for r in runs)
-        yield name, fcfs, tokenflow, verdict(fcfs, tokenflow, targets)
+        yield name, fcfs, tokenflow, verdict(fcfs, tokenflow, dict(*targets))
 
 
 def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:

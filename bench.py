@@ -2,9 +2,10 @@
 
 `python bench.py --burst 64` builds one workload from a seed (arrival times, prompt and output
 lengths, each request's reading rate), runs it on the real engine in this process once per policy,
-and prints TTFT, stalls, QoE and throughput of each (docs/scheduling.md). The same driver runs a simulated
-engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload through a
-running server and times tokens at the client. `--kernels` and `--transfers` time the GPU parts;
+and prints TTFT, stalls, QoE and throughput of each (docs/scheduling.md). The same driver runs a
+simulated engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload
+through a running server and times tokens at the client; `--multi-turn N` runs N conversations
+whose turns resend the whole conversation. `--kernels` and `--transfers` time the GPU parts;
 `--vs-transformers` compares offline generation with HuggingFace transformers.
 """
 
@@ -14,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import gzip
+import heapq
 import http.client
 import importlib.util
 import itertools
@@ -43,26 +45,24 @@ from nanoflow.model import Transformer, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig
 from nanoflow.swap import Swapper
 
-TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: Efficient Generative "
-                "LLM Inference Using Phase Splitting\", ISCA 2024")
+TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: "
+                "Efficient Generative LLM Inference Using Phase Splitting\", ISCA 2024")
 MOONCAKE_CREDIT = ("Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: "
                    "Trading More Storage for Less Computation\", FAST 2025")
 TRACE_BLOCK = 512  # tokens behind each of a Mooncake trace's hash ids
-REAL_HOST_KV_GB = 4.0  # the real engine's host pool unless --host-kv-gb: LLM's default
 PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60% at 20
-DEMAND_SHARE = 0.7  # auto rates: the readers' peak total demand takes this share of the measured capacity
-SPEED_SHARE = 0.5  # auto rates: the fastest reader reads at most half as fast as a running request decodes
-DEFAULT_KV_FRAC = 0.3  # the device KV pool holds this share of what the whole burst needs at full length
+# auto rates: the readers' peak total demand takes DEMAND_SHARE of the measured capacity, and the
+# fastest reader reads at most SPEED_SHARE as fast as a running request decodes
+DEMAND_SHARE = 0.7
+SPEED_SHARE = 0.5
+DEFAULT_KV_FRAC = 0.3  # device KV pool: this share of what the whole burst needs at full length
 BLOCK_SIZE = 16
 PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode speed
-PROMPT_VOCAB = 256  # prompt token ids are drawn below this: valid for every model, and content does not matter
+PROMPT_VOCAB = 256  # prompt ids are drawn below this: valid for every model; content is irrelevant
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
-ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks", "max_num_batched_tokens",
-                "enable_prefix_caching"]
-METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99", "qoe_mean",
-               "qoe_good_share", "effective_throughput", "throughput", "makespan", "preemptions", "requests",
-               "completed")
+ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
+                "max_num_batched_tokens", "enable_prefix_caching", "tokenflow"]
 COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device",
             "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
 
@@ -72,7 +72,7 @@ COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host",
 
 @dataclass
 class Workload:
-    """Every request of a run, sorted by arrival: built once from the seed, shared by all policies."""
+    """A run's requests, sorted by arrival: built once from the seed, shared by all policies."""
 
     arrival: list[float]  # s after the start of the run
     prompt_len: list[int]
@@ -81,18 +81,25 @@ class Workload:
     seed: int
     source: str
     block_ids: list[list[int]] | None = None  # a Mooncake trace's: equal ids, equal blocks
+    block_tokens: int = TRACE_BLOCK  # tokens behind each of block_ids
+    # a later turn's previous turn (negative: none); its arrival counts from that turn's last token
+    follows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
 
-    def prompt_ids(self, i: int) -> list[int]:
+    def prompt_ids(self, i: int, history: list[int] = ()) -> list[int]:
+        """The trace's blocks, or `history` (a previous turn's prompt and answer) and new tokens."""
         if self.block_ids:
-            return list(b"".join(map(trace_block, self.block_ids[i]))[:self.prompt_len[i]])
+            blocks = (trace_block(b, self.block_tokens) for b in self.block_ids[i])
+            return list(b"".join(blocks)[:self.prompt_len[i]])
         rng = random.Random(self.seed * 1_000_003 + i)
-        return [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i])]
+        new = [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i] - len(history))]
+        return [*history, *new][:self.prompt_len[i]]
 
     def params(self, i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=self.output_len[i], temperature=0, ignore_eos=True, read_rate=self.rate[i])
+        return SamplingParams(max_tokens=self.output_len[i], temperature=0, ignore_eos=True,
+                              read_rate=self.rate[i])
 
     def clamped(self, context: int) -> "Workload":
         """Prompts and outputs cut to fit a context (a prompt keeps at least one token of room)."""
@@ -102,14 +109,11 @@ class Workload:
         source = self.source + (f"; {cut} cut to {context} tokens" if cut else "")
         return dataclasses.replace(self, prompt_len=prompts, output_len=outputs, source=source)
 
-    def scaled_rates(self, factor: float) -> "Workload":
-        return dataclasses.replace(self, rate=[clamp_read_rate(r * factor) for r in self.rate])
-
 
 @functools.cache
-def trace_block(block_id: int) -> bytes:
+def trace_block(block_id: int, size: int) -> bytes:
     """The tokens (bytes: below PROMPT_VOCAB) of one of a trace's hash ids."""
-    return random.Random(block_id).randbytes(TRACE_BLOCK)
+    return random.Random(block_id).randbytes(size)
 
 
 def read_trace(path: str, time_scale: float) -> list[tuple]:
@@ -152,14 +156,40 @@ def parse_mix(text: str) -> list[tuple[float, float]]:
     return [(float(r), float(s) if s else 1.0) for r, _, s in pairs]
 
 
+def conversations(args: argparse.Namespace, rng, length) -> tuple[list, list, list, list, str]:
+    """args.multi_turn conversations of args.turns turns (turn k of conversation c is request
+    k * N + c), the first turns spread over one think time: each turn's prompt is the previous
+    prompt and answer plus a new message, sent a think time after that answer ends."""
+    n = args.multi_turn
+    think = args.think_time
+    arrival = sorted(rng.uniform(0, think) for _ in range(n))
+    prompts = [length(args.prompt_len) for _ in range(n)]
+    outputs = [length(args.output_len) for _ in range(n)]
+    for i in range(n, n * args.turns):
+        arrival.append(think * rng.expovariate(1.0))
+        prompts.append(prompts[i - n] + outputs[i - n] + length(args.prompt_len))
+        outputs.append(length(args.output_len))
+    follows = [i - n for i in range(n * args.turns)]
+    return arrival, prompts, outputs, follows, f"{n} conversations of {args.turns} turns, think " \
+        f"time {think} s; message {args.prompt_len}, answer {args.output_len} tokens"
+
+
 def build_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
-    block_ids = None
+    length = lambda dist: max(1, round(rng.gauss(*parse_dist(dist))))  # noqa: E731
+    block_ids = follows = None
     if args.trace:
         rows = read_trace(args.trace, args.time_scale)
-        arrival, prompts, outputs, block_ids = [list(col) for col in zip(*rows)]
+        if args.conversations:  # a conversation's turns share their first hash id
+            firsts = set(list(dict.fromkeys(r[3][0] for r in rows))[:args.conversations])
+            rows = [r for r in rows if r[3][0] in firsts]
+        arrival, prompts, outputs, block_ids = map(list, zip(*rows))
         block_ids = block_ids if block_ids[0] is not None else None
-        source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale}, lengths from the trace)"
+        # smaller blocks, shorter prompts: the same prefix structure at a smaller scale
+        prompts = [math.ceil(n * args.trace_block / TRACE_BLOCK) for n in prompts]
+        source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale})"
+    elif args.multi_turn:
+        arrival, prompts, outputs, follows, source = conversations(args, rng, length)
     else:
         if args.burst:
             arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
@@ -169,14 +199,14 @@ def build_workload(args: argparse.Namespace) -> Workload:
                 arrival.append(t)
                 t += rng.expovariate(args.poisson)
             source = f"poisson {args.poisson}/s for {args.duration} s ({len(arrival)} requests)"
-        draw = lambda mean, spread: max(1, round(rng.gauss(mean, spread)))  # noqa: E731
-        prompts = [draw(*parse_dist(args.prompt_len)) for _ in arrival]
-        outputs = [draw(*parse_dist(args.output_len)) for _ in arrival]
+        prompts = [length(args.prompt_len) for _ in arrival]
+        outputs = [length(args.output_len) for _ in arrival]
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
     rates = [clamp_read_rate(r) for r in rates]
-    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids)
+    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids,
+                    args.trace_block, follows)
 
 
 # ---------------------------------------------------------------- readers: `--read-rate auto`
@@ -195,18 +225,19 @@ def peak_readers(w: Workload, mean_rate: float) -> int:
 
 
 def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, str]:
-    """Scale the paper's mix so that readers are slower than decoding and their demand fits capacity."""
+    """Scale the paper's mix: readers slower than decoding, their demand within capacity."""
     mean = sum(w.rate) / len(w)
     by_speed = SPEED_SHARE * speed * mean / max(w.rate)
     target = by_speed
     for _ in range(5):  # the peak number of readers depends on how long each takes to read
         peak = peak_readers(w, target)
         target = min(by_speed, DEMAND_SHARE * capacity / peak)
-    scaled = w.scaled_rates(target / mean)
-    why = (f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} tok/s; up to {peak} "
-           f"read at once; so the paper's mix {PAPER_MIX} is scaled by {target / mean:.3g} to a mean of "
-           f"{sum(scaled.rate) / len(w):.2f} tok/s: the fastest reader reads {max(scaled.rate) / speed:.0%} of decode "
-           f"speed, peak demand is {peak * target / capacity:.0%} of capacity")
+    scaled = dataclasses.replace(w, rate=[clamp_read_rate(r * (target / mean)) for r in w.rate])
+    why = (f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} "
+           f"tok/s; up to {peak} read at once; so the paper's mix {PAPER_MIX} is scaled by "
+           f"{target / mean:.3g} to a mean of {sum(scaled.rate) / len(w):.2f} tok/s: the fastest "
+           f"reader reads {max(scaled.rate) / speed:.0%} of decode speed, peak demand is "
+           f"{peak * target / capacity:.0%} of capacity")
     return scaled, why
 
 
@@ -241,6 +272,7 @@ class Run:
     makespan: float
     counters: dict = field(default_factory=dict)
     wall: float = 0.0
+    requests: list = field(default_factory=list)  # the engine's, in the workload's order
 
     @functools.cached_property
     def summary(self) -> dict:
@@ -260,7 +292,7 @@ class Progress:
         self.last = time.monotonic()
         bar = "#" * (20 * done // max(1, self.total))
         print(f"\r{self.label:>10} [{bar:<20}] {done}/{self.total} done, {tokens} tokens, "
-              f"{self.last - self.begin:.0f} s", end="\n" if final else "", file=sys.stderr, flush=True)
+              f"{self.last - self.begin:.0f} s", end="\n" * final, file=sys.stderr, flush=True)
 
 
 def wait_until(engine, t: float) -> None:
@@ -272,49 +304,62 @@ def wait_until(engine, t: float) -> None:
 
 
 def drive(engine, w: Workload, label: str) -> Run:
-    """Add requests whose arrival time has come, step, and when idle wait for the next arrival."""
+    """Add requests whose arrival time has come, step, and when idle wait for the next arrival; a
+    later turn is due a think time after its previous turn's last token."""
     wall, before = time.monotonic(), engine.stats()
-    start, reqs, bar = engine.clock(), [], Progress(label, len(w))
-    while len(reqs) < len(w) or engine.has_unfinished():
-        while len(reqs) < len(w) and start + w.arrival[len(reqs)] <= engine.clock():
-            i = len(reqs)
-            reqs.append(engine.add_request(w.prompt_ids(i), w.params(i), arrival_time=start + w.arrival[i]))
+    start, reqs, bar = engine.clock(), {}, Progress(label, len(w))
+    follows = w.follows or [-1] * len(w)
+    due = [(start + a, i) for i, (a, f) in enumerate(zip(w.arrival, follows)) if f < 0]
+    turns = {f: i for i, f in enumerate(follows) if f >= 0}  # previous turn -> next turn
+    while due or engine.has_unfinished():
+        while due and due[0][0] <= engine.clock():
+            t, i = heapq.heappop(due)
+            history = reqs[follows[i]].token_ids if follows[i] >= 0 else ()
+            reqs[i] = engine.add_request(w.prompt_ids(i, history), w.params(i), arrival_time=t)
         if engine.has_unfinished():
             engine.step()
-        elif len(reqs) < len(w):
-            wait_until(engine, start + w.arrival[len(reqs)])
+        elif due:
+            wait_until(engine, due[0][0])
+        for prev in [p for p in turns if p in reqs and reqs[p].is_finished]:
+            i = turns.pop(prev)
+            heapq.heappush(due, (reqs[prev].token_times[-1] + w.arrival[i], i))
         if bar.due():
-            bar.show(sum(r.is_finished for r in reqs), sum(r.num_output_tokens for r in reqs))
+            bar.show(sum(r.is_finished for r in reqs.values()),
+                     sum(r.num_output_tokens for r in reqs.values()))
+    reqs = [reqs[i] for i in range(len(w))]
     bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
-    records = [r.record() for r in reqs]
     counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
-    return finish_run(label, records, start + w.arrival[0], counters, wall)
+    return finish_run(label, [r.record() for r in reqs], start + w.arrival[0], counters, wall,
+                      reqs)
 
 
-def finish_run(label: str, records: list, start: float, counters: dict, wall: float) -> Run:
+def finish_run(label: str, records: list, start: float, counters: dict, wall: float,
+               reqs: list = ()) -> Run:
     end = max((r.token_times[-1] for r in records if r.token_times), default=start)
-    return Run(label, records, start, end - start, counters, time.monotonic() - wall)
+    return Run(label, records, start, end - start, counters, time.monotonic() - wall, list(reqs))
 
 
-def http_call(url: str, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+def http_call(url: str, method: str, path: str, body: dict | None = None):
     """A request to the server at url (with or without /v1); the response, headers read."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=HTTP_TIMEOUT_S)
-    conn.request(method, parts.path.rstrip("/").removesuffix("/v1") + path, body and json.dumps(body),
-                 {"Content-Type": "application/json"})
+    path = parts.path.rstrip("/").removesuffix("/v1") + path
+    conn.request(method, path, body and json.dumps(body), {"Content-Type": "application/json"})
     return conn.getresponse()
 
 
 def http_stream(url: str, w: Workload, i: int, start: float, out: list) -> None:
-    """One request as an OpenAI streaming completion; out[i] gets the client-side time of each token."""
+    """One request as an OpenAI streaming completion; out[i] gets the client-side token times."""
     time.sleep(max(0.0, start + w.arrival[i] - time.monotonic()))
     times, tokens = [], 0
+    body = {"prompt": w.prompt_ids(i), "max_tokens": w.output_len[i], "temperature": 0,
+            "ignore_eos": True, "read_rate": w.rate[i], "stream": True,
+            "stream_options": {"include_usage": True}}
     try:
-        resp = http_call(url, "POST", "/v1/completions", {
-            "prompt": w.prompt_ids(i), "max_tokens": w.output_len[i], "temperature": 0, "ignore_eos": True,
-            "read_rate": w.rate[i], "stream": True, "stream_options": {"include_usage": True}})
+        resp = http_call(url, "POST", "/v1/completions", body)
         if resp.status != 200:
-            print(f"request {i}: HTTP {resp.status}: {resp.read().decode(errors='replace')}", file=sys.stderr)
+            error = resp.read().decode(errors="replace")
+            print(f"request {i}: HTTP {resp.status}: {error}", file=sys.stderr)
         for line in resp if resp.status == 200 else []:
             if line.startswith(b"data: {"):
                 chunk = json.loads(line[6:])
@@ -329,7 +374,7 @@ def http_stream(url: str, w: Workload, i: int, start: float, out: list) -> None:
 
 def scrape_counters(url: str) -> dict[str, float]:
     text = http_call(url, "GET", "/metrics").read().decode()
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    values = dict(x.rsplit(" ", 1) for x in text.splitlines() if x and not x.startswith("#"))
     return {k: float(values.get(f"nanoflow_{k}_total", 0)) for k in COUNTERS}
 
 
@@ -338,9 +383,10 @@ def drive_http(url: str, w: Workload) -> Run:
     try:
         wall, before = time.monotonic(), scrape_counters(url)
     except OSError as e:
-        raise SystemExit(f"cannot reach a server at {url} ({e}); start one with python -m nanoflow.serve") from None
+        raise SystemExit(f"no server at {url} ({e}); start one: python -m nanoflow.serve") from None
     start, times = time.monotonic() + 0.1, [None] * len(w)
-    threads = [threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True) for i in range(len(w))]
+    threads = [threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True)
+               for i in range(len(w))]
     for t in threads:
         t.start()
     bar = Progress("http", len(w))
@@ -364,23 +410,25 @@ def kv_blocks(w: Workload, frac: float) -> int:
 
 def engine_factory(args: argparse.Namespace, w: Workload):
     """policy -> a fresh engine (real or simulated), and a description of it."""
-    frac = args.kv_frac if args.kv_frac is not None else None if args.simulate or args.trace else DEFAULT_KV_FRAC
+    all_memory = args.simulate or args.trace or args.multi_turn
+    frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
     blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
     if args.simulate:
         from nanoflow.sim import PRESETS, build_engine
         if args.preset not in PRESETS:
             raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
-        make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks, tokenflow=args.tokenflow_config,
-                                 charge_scheduler=not args.uncharged, host_kv_gb=args.host_kv_gb,
+        make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
+                                 tokenflow=args.tokenflow, charge_scheduler=not args.uncharged,
+                                 host_kv_gb=args.host_kv_gb,
                                  enable_prefix_caching=args.enable_prefix_caching)
-        return (lambda policy: make(policy=policy)), f"simulated: {PRESETS[args.preset]().describe()}"
+        return make, f"simulated: {PRESETS[args.preset]().describe()}"
+    host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
     options = {**EngineConfig.flag_values(args, ENGINE_FLAGS), "num_kv_blocks": blocks,
-               "block_size": BLOCK_SIZE, "tokenflow": args.tokenflow_config,
-               "host_kv_gb": REAL_HOST_KV_GB if args.host_kv_gb is None else args.host_kv_gb}
+               "block_size": BLOCK_SIZE, "host_kv_gb": host_kv_gb}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
-    return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), \
-        f"real engine: {args.ckpt or 'demo model'} on {device} ({name}, torch {torch.__version__})"
+    where = f"{args.ckpt or 'demo model'} on {device} ({name}, torch {torch.__version__})"
+    return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), f"real engine: {where}"
 
 
 def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Workload, dict]:
@@ -388,15 +436,16 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
     make, where = engine_factory(args, w)
     runs, info = [], {"engine": where}
     for policy in args.policies.split(","):
-        engine = make(policy)
-        blocks, step_tokens = engine.stats()["device_blocks_total"], engine.scheduler.max_num_batched_tokens
-        context = min(engine.max_model_len, blocks * BLOCK_SIZE)  # a request larger than the pool can never run
+        engine = make(policy=policy)
+        blocks = engine.stats()["device_blocks_total"]
+        context = min(engine.max_model_len, blocks * BLOCK_SIZE)  # the pool must hold a request
         w = w.clamped(context)
-        probe = drive(engine, probe_workload(w, blocks, step_tokens).clamped(context), "warm-up")
+        probe = probe_workload(w, blocks, engine.scheduler.max_num_batched_tokens)
+        probe = drive(engine, probe.clamped(context), "warm-up")
         if not runs:
             speed, capacity = decode_rates(probe.records)
-            info.update(host_blocks=engine.stats()["host_blocks_total"])
-            info.update(kv_blocks=blocks, probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
+            info.update(host_blocks=engine.stats()["host_blocks_total"], kv_blocks=blocks,
+                        probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
                         rates=f"{args.read_rate} (as given)")
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity)
@@ -418,38 +467,37 @@ def free_device_memory() -> None:
 
 ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
         ("TTFT p99 (s)", "ttft_p99", "{:.2f}"), ("TBT p99 (s)", "tbt_p99", "{:.3f}"),
-        ("rebuffer mean (s)", "rebuffer_mean", "{:.2f}"), ("rebuffer p99 (s)", "rebuffer_p99", "{:.2f}"),
-        ("QoE mean", "qoe_mean", "{:.3f}"), ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
+        ("rebuffer mean (s)", "rebuffer_mean", "{:.2f}"),
+        ("rebuffer p99 (s)", "rebuffer_p99", "{:.2f}"), ("QoE mean", "qoe_mean", "{:.3f}"),
+        ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
         ("effective throughput (tok/s)", "effective_throughput", "{:.1f}"),
         ("throughput (tok/s)", "throughput", "{:.1f}"), ("makespan (s)", "makespan", "{:.1f}"),
-        ("preemptions (resumed by load/recompute)", "preemptions", "{:.0f}"),
+        ("preemptions (resumed by load/recompute)", "preemptions",
+         "{preemptions} ({resumes_load}/{resumes_recompute})"),
         ("GB moved host<->device", "gb", "{:.2f}"),
-        ("prefix hits (device + host)", "prefix", "{}"),
+        ("prefix hits (device + host)", "prefix", "{device_hits:.1%} + {host_hits:.1%}"),
         ("requests completed", "completed", "{:.0f}")]
 
 
-def cell(s: dict, key: str, fmt: str) -> str:
-    if key == "preemptions":
-        return f"{s['preemptions']} ({s['resumes_load']}/{s['resumes_recompute']})"
-    if key == "prefix":
-        queried = max(1, s["prefix_queried_tokens"])
-        device, host = s["prefix_hit_tokens"] / queried, s["prefix_host_hit_tokens"] / queried
-        return f"{device:.1%} + {host:.1%}"
-    return fmt.format(s[key])
+def shown(s: dict) -> dict:
+    """A run's summary and what the table derives from it."""
+    queried = max(1, s["prefix_queried_tokens"])
+    hits = (s["prefix_hit_tokens"], s["prefix_host_hit_tokens"])
+    return {**s, "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
+            "prefix": sum(hits) / queried, "device_hits": hits[0] / queried,
+            "host_hits": hits[1] / queried}
 
 
 def table(runs: list[Run]) -> str:
-    sums = [{**r.summary, "gb": (r.summary["bytes_to_host"] + r.summary["bytes_to_device"]) / 1e9,
-             "prefix": (r.summary["prefix_hit_tokens"] + r.summary["prefix_host_hit_tokens"])
-             / max(1, r.summary["prefix_queried_tokens"])} for r in runs]
-    head = [""] + [r.name for r in runs] + ([f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else [])
-    lines = [head]
+    sums = list(map(shown, (r.summary for r in runs)))
+    ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else []
+    lines = [[""] + [r.name for r in runs] + ratio]
     for label, key, fmt in ROWS:
-        ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if len(runs) > 1 else []
-        lines.append([label] + [cell(s, key, fmt) for s in sums] + ratio)
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
-                     for row in lines)
+        ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if ratio else []
+        lines.append([label] + [fmt.format(s[key], **s) for s in sums] + ratio)
+    widths = [max(map(len, column)) for column in zip(*lines)]
+    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
+                               for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
 
 
 def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list, list]:
@@ -468,11 +516,14 @@ def plot(runs: list[Run], path: str) -> None:
         ax.sharey(axes[0])
     for ax, run in zip(axes, runs):
         for r in run.records:
-            ax.step(*buffer_curve(r.token_times, r.rate, run.start), where="post", lw=0.5, alpha=0.4)
-        ax.set(title=f"{run.name}: each request's buffer", xlabel="time (s)", ylabel="unread tokens")
+            ax.step(*buffer_curve(r.token_times, r.rate, run.start), lw=0.5, alpha=0.4,
+                    where="post")
+        ax.set(title=f"{run.name}: each request's buffer", xlabel="time (s)",
+               ylabel="unread tokens")
     for run in runs:
         ttfts = sorted(r.ttft for r in run.records if r.token_times)
-        axes[-1].step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post", label=run.name)
+        axes[-1].step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post",
+                      label=run.name)
     axes[-1].axvline(TTFT_TARGET, color="gray", ls=":", label=f"{TTFT_TARGET} s")
     axes[-1].set(title="TTFT CDF", xlabel="TTFT (s)", ylabel="share of requests")
     axes[-1].legend()
@@ -480,38 +531,40 @@ def plot(runs: list[Run], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# ---------------------------------------------------------------- the regime matrix: tokenflow must never lose
+# ---------------------------------------------------------------- the regime matrix
 
 
-MATRIX_BASE = "--simulate --preset h200-llama3-8b --prompt-len 512 --output-len 2048 --read-rate 20 --seed 0"
+MATRIX_BASE = ("--simulate --preset h200-llama3-8b --prompt-len 512 --output-len 2048 "
+               "--read-rate 20 --seed 0")
 TRACE = Path(__file__).parent / "data" / "azure_code_burst_10min.csv"
-MATRIX = [  # (name, bench arguments on top of MATRIX_BASE, targets beyond the bar: metric -> ratio to fcfs)
+MIX = "--read-rate 15:0.4,20:0.6"
+MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
     ("burst 400", "--burst 400", {"ttft_p99": 0.15, "effective_throughput": 1.6}),
-    ("burst 400, interval 0.5 s", "--burst 400 --tokenflow interval=0.5", {}),
-    ("burst 200, long outputs", "--burst 200 --prompt-len 1024 --output-len 4096 --read-rate 25", {}),
-    ("burst 64", "--burst 64", {}),
-    ("poisson 2/s", "--poisson 2 --duration 60", {}),
-    ("poisson 5/s", "--poisson 5 --duration 60", {}),
-    ("poisson 7/s", "--poisson 7 --duration 60", {}),
-    ("poisson 10/s", "--poisson 10 --duration 60", {}),
-    ("poisson 20/s (overload)", "--poisson 20 --duration 60", {}),
-    ("tight memory (400 blocks)", "--burst 400 --num-kv-blocks 400", {}),
-    ("long prompts, short outputs", "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5", {}),
-    ("slow readers (5 tok/s)", "--burst 400 --read-rate 5", {}),
-    ("fast readers (40 tok/s)", "--burst 400 --read-rate 40", {}),
-    ("reader mix 15:0.4,20:0.6", "--burst 400 --read-rate 15:0.4,20:0.6", {}),
-    ("azure code trace", f"--trace {TRACE} --read-rate 15:0.4,20:0.6", {}),
-    ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 --read-rate 15:0.4,20:0.6", {}),
+    ("burst 400, interval 0.5 s", "--burst 400 --tokenflow interval=0.5"),
+    ("burst 200, long outputs", "--burst 200 --prompt-len 1024 --output-len 4096 --read-rate 25"),
+    ("burst 64", "--burst 64"),
+    *[(f"poisson {rate}/s", f"--poisson {rate} --duration 60") for rate in (2, 5, 7, 10)],
+    ("poisson 20/s (overload)", "--poisson 20 --duration 60"),
+    ("tight memory (400 blocks)", "--burst 400 --num-kv-blocks 400"),
+    ("long prompts, short outputs",
+     "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5"),
+    ("slow readers (5 tok/s)", "--burst 400 --read-rate 5"),
+    ("fast readers (40 tok/s)", "--burst 400 --read-rate 40"),
+    ("reader mix 15:0.4,20:0.6", f"--burst 400 {MIX}"),
+    ("azure code trace", f"--trace {TRACE} {MIX}"),
+    ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 {MIX}"),
 ]
-# the bar, in every row: (metric, tokenflow must be at most (+1) or at least (-1), factor of fcfs, plus)
+# the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
 BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
        ("effective_throughput", -1, 0.95, 0.0)]
+MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | verdict "
+               "|\n|---|---|---|---|---|---|")
 
 
 def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]:
-    """What tokenflow misses of the bar (and of the row's own targets) against fcfs; empty = pass."""
-    misses = [f"{s['completed']}/{s['requests']} completed ({name})"
-              for name, s in (("fcfs", fcfs), ("tokenflow", tokenflow)) if s["completed"] != s["requests"]]
+    """What tokenflow misses of the bar (and of the row's targets) against fcfs; empty = pass."""
+    misses = [f"{s['completed']}/{s['requests']} completed ({name})" for name, s in
+              (("fcfs", fcfs), ("tokenflow", tokenflow)) if s["completed"] != s["requests"]]
     rules = BAR + [(key, 1 if ratio < 1 else -1, ratio, 0.0) for key, ratio in targets.items()]
     for key, sign, factor, plus in rules:
         limit = factor * fcfs[key] + sign * plus
@@ -521,15 +574,11 @@ def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]
 
 
 def run_matrix(rows: list[tuple[str, str, dict]], base: str = MATRIX_BASE):
-    """Every row under both policies; yields (name, fcfs summary, tokenflow summary, misses) per row."""
-    for name, extra, targets in rows:
-        args = parse_args(f"{base} {extra} --policies fcfs,tokenflow".split())
-        runs, _, _ = run_workload(args)
+    """Every row under both policies; yields (name, fcfs summary, tokenflow summary, misses)."""
+    for name, extra, *targets in rows:
+        runs, _, _ = run_workload(parse_args(f"{base} {extra} --policies fcfs,tokenflow".split()))
         fcfs, tokenflow = (r.summary for r in runs)
-        yield name, fcfs, tokenflow, verdict(fcfs, tokenflow, targets)
-
-
-MATRIX_HEAD = "| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | verdict |\n|---|---|---|---|---|---|"
+        yield name, fcfs, tokenflow, verdict(fcfs, tokenflow, dict(*targets))
 
 
 def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
@@ -541,35 +590,37 @@ def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
 
 
 def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
-    """Wall time of one schedule() call with N requests running and N/8 waiting, on the simulator."""
+    """Wall time of one schedule() call with N requests running and N/8 waiting (simulator)."""
     from nanoflow.sim import build_engine
     print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>15}")
-    for policy in POLICIES:
-        for n in sizes:
-            engine = build_engine("h200-llama3-8b", policy, num_kv_blocks=n * 300)
-            s = engine.scheduler
-            s.max_num_seqs = n
-            for i in range(n + n // 8):
-                engine.add_request([1] * 64, SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20))
-            while len(s.running) < n:  # prefill everyone that fits
-                engine.step()
-            for _ in range(20):  # a few decodes, so that readers have buffers
-                engine.step()
-            spent = 0.0
-            for _ in range(steps):
-                spent += seconds(s.schedule)
-                for req in s.running:  # what the step would have done: one more token each
-                    req.num_computed_tokens = req.num_tokens
-                    req.append(0, engine.clock())
-                engine.clock.advance_to(engine.clock() + 0.01)
-            rebalance = "-"
-            if isinstance(s.policy, TokenFlow):  # one full rebalance (working set, sort, fill, victims)
-                start = time.perf_counter()
-                for _ in range(10):
-                    s.policy.last_rebalance = float("-inf")
-                    s.policy.preemptions(s, engine.clock())
-                rebalance = f"{(time.perf_counter() - start) / 10 * 1e3:.3f}"
-            print(f"{policy:>10} {n:>8} {spent / steps * 1e3:>16.3f} {rebalance:>15}")
+    params = SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20)
+    for policy, n in itertools.product(POLICIES, sizes):
+        engine = build_engine("h200-llama3-8b", policy, num_kv_blocks=n * 300)
+        s = engine.scheduler
+        s.max_num_seqs = n
+        for _ in range(n + n // 8):
+            engine.add_request([1] * 64, params)
+        while len(s.running) < n:  # prefill everyone that fits
+            engine.step()
+        for _ in range(20):  # a few decodes, so that readers have buffers
+            engine.step()
+        spent = 0.0
+        for _ in range(steps):
+            spent += seconds(s.schedule)
+            for req in s.running:  # what the step would have done: one more token each
+                req.num_computed_tokens = req.num_tokens
+                req.append(0, engine.clock())
+            engine.clock.advance_to(engine.clock() + 0.01)
+        rebalance = "-"
+        if isinstance(s.policy, TokenFlow):  # one full rebalance (working set, sort, fill, victims)
+            rebalance = f"{seconds(lambda: full_rebalances(s, engine.clock(), 10)) / 10 * 1e3:.3f}"
+        print(f"{policy:>10} {n:>8} {spent / steps * 1e3:>16.3f} {rebalance:>15}")
+
+
+def full_rebalances(s, now: float, times: int) -> None:
+    for _ in range(times):
+        s.policy.last_rebalance = float("-inf")
+        s.policy.preemptions(s, now)
 
 
 # ---------------------------------------------------------------- GPU: kernels and transfers
@@ -585,18 +636,12 @@ TRANSFER_BYTES = 2 << 30  # KV moved per transfer measurement
 DECODE_BATCH, DECODE_CONTEXT = 64, 1024
 
 
-def require_cuda(flag: str) -> bool:
-    if not torch.cuda.is_available():
-        print(f"{flag} times GPU work and needs a CUDA GPU; none here, so nothing to measure.")
-    return torch.cuda.is_available()
-
-
 def cuda_time(fn) -> float:
     """Median seconds of one call of fn on the current stream, L2 flushed before each call."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for _ in range(WARMUP):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
+    events = [[torch.cuda.Event(enable_timing=True) for _ in "se"] for _ in range(ITERS)]
     for start, end in events:
         flush.zero_()
         start.record()
@@ -627,68 +672,71 @@ def bench_kernels() -> dict:
     peak, rows = copy_bandwidth(), []
     print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} {'time us':>9} {'GB/s':>7} {'of copy':>7}")
-    for batch in KERNEL_BATCHES:
-        for context in KERNEL_CONTEXTS:
-            num_blocks = batch * context // BLOCK_SIZE  # every block belongs to one sequence, in random order
-            pool = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device="cuda")
-            tables = torch.randperm(num_blocks, device="cuda").view(batch, -1).int()
-            lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
-            s = cuda_time(lambda: decode_attention_triton(q, pool[:, 0], pool[:, 1], tables, lens, context,
-                                                          head_dim ** -0.5))
-            nbytes = pool.numel() * pool.element_size() + 2 * q.numel() * q.element_size()  # K + V, q, out
-            print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {nbytes / s / peak:>7.0%}")
-            rows.append(dict(batch=batch, context=context, seconds=s,
-                             share_of_copy=nbytes / s / peak))
+    for batch, context in itertools.product(KERNEL_BATCHES, KERNEL_CONTEXTS):
+        blocks = batch * context // BLOCK_SIZE  # each block in one sequence, in random order
+        pool = torch.randn(blocks, 2, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device="cuda")
+        tables = torch.randperm(blocks, device="cuda").view(batch, -1).int()
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
+        s = cuda_time(lambda: decode_attention_triton(q, pool[:, 0], pool[:, 1], tables, lens,
+                                                      context, head_dim ** -0.5))
+        nbytes = (pool.numel() + 2 * q.numel()) * q.element_size()  # K + V, q and the output
+        share = nbytes / s / peak
+        print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {share:>7.0%}")
+        rows.append(dict(batch=batch, context=context, seconds=s, share_of_copy=share))
     worst = min(r["share_of_copy"] for r in rows if r["batch"] >= 32 and r["context"] >= 2048)
     return dict(copy_bytes_per_s=peak, rows=rows, summary=f"decode kernel >= {worst:.0%} of copy "
                 "bandwidth at batch >= 32, context >= 2k (target 70%)")
 
 
-def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
-    """Device and host KV pools of num_blocks Llama-3-8B blocks (bf16) each, and the Swapper between them."""
+def llama_pool(num_blocks: int, device: str, host: bool = False) -> KVPool:
+    """A KV pool of num_blocks Llama-3-8B blocks in bf16."""
     from nanoflow.sim import LLAMA3_8B as c
-    shape = (c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
-    return Swapper(KVPool(num_blocks, *shape), KVPool(num_blocks, *shape, host=True))
+    return KVPool(num_blocks, c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
+                  torch.bfloat16, torch.device(device), host=host)
+
+
+def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
+    """Device and host pools of num_blocks Llama-3-8B blocks each, and the Swapper between them."""
+    return Swapper(llama_pool(num_blocks, device), llama_pool(num_blocks, device, host=True))
+
+
+def fake_request(block_table: list[int], num_computed_tokens: int) -> SimpleNamespace:
+    """What the Swapper reads of a request."""
+    return SimpleNamespace(block_table=block_table, host_block_table=[], num_host_tokens=0,
+                           num_computed_tokens=num_computed_tokens)
 
 
 def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
     """Bytes/s of evicting every device block, scattered, to host, and of loading them all back."""
     blocks = sw.device.num_blocks
     sw.device.free_blocks = deque(random.sample(range(blocks), blocks))
-    req = SimpleNamespace(block_table=[], host_block_table=[], num_host_tokens=0,
-                          num_computed_tokens=blocks * BLOCK_SIZE)
+    req = fake_request([], blocks * BLOCK_SIZE)
     sw.device.grow(req.block_table, req.num_computed_tokens)
-
-    def evict():
-        sw.forget(req)  # drop the host copy, so that every block is copied again
-        sw.evict(req)
-        sw.complete_all()
-
-    def load():
-        sw.load(req)
-        sw.complete_all()
-        torch.cuda.synchronize()
-
-    rounds = [(seconds(evict), seconds(load)) for _ in range(1 + ITERS // 2)][1:]  # the first round warms up
+    # forget the host copy first, so that every block is copied again
+    evict = lambda: (sw.forget(req), sw.evict(req), sw.complete_all())  # noqa: E731
+    load = lambda: (sw.load(req), sw.complete_all(), torch.cuda.synchronize())  # noqa: E731
+    rounds = [(seconds(evict), seconds(load)) for _ in range(1 + ITERS // 2)][1:]  # 1st: warm-up
     return tuple(blocks * sw.block_bytes / statistics.median(t) for t in zip(*rounds))
 
 
 def bench_transfers() -> dict:
-    """The Swapper's chunked copies against one raw pinned copy_ of the same bytes; decode beside write-through."""
+    """The Swapper's copies against one raw pinned copy_; decode beside write-through."""
     from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
-    sw = llama_swapper(TRANSFER_BYTES // (BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)))
-    nbytes, (to_host, to_device) = sw.device.num_blocks * sw.block_bytes, swapper_bandwidth(sw)
+    block_bytes = BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)
+    sw = llama_swapper(TRANSFER_BYTES // block_bytes)
+    nbytes = sw.device.num_blocks * sw.block_bytes
+    ours = swapper_bandwidth(sw)
     del sw
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     raw = (nbytes / cuda_time(lambda: pinned.copy_(dev, non_blocking=True)),
            nbytes / cuda_time(lambda: dev.copy_(pinned, non_blocking=True)))
-    print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs one pinned copy_")
-    print(f"{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
-    for name, ours, theirs in (("device->host", to_host, raw[0]), ("host->device", to_device, raw[1])):
-        print(f"{name:>13} {ours / 1e9:>13.1f} {theirs / 1e9:>9.1f} {ours / theirs:>6.0%}")
-    shares = (to_host / raw[0], to_device / raw[1])
+    print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs "
+          f"one pinned copy_\n{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
+    for name, x, y in zip(("device->host", "host->device"), ours, raw):
+        print(f"{name:>13} {x / 1e9:>13.1f} {y / 1e9:>9.1f} {x / y:>6.0%}")
+    shares = (ours[0] / raw[0], ours[1] / raw[1])
     slowdown = bench_decode_beside_write_through()
     return dict(to_host_share=shares[0], to_device_share=shares[1], write_through_slowdown=slowdown,
                 summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through "
@@ -727,19 +775,16 @@ def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
 def bench_decode_speed(device: str = "cuda") -> dict:
     """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor:
     the weights and the batch's KV read once per step at the measured copy rate."""
-    from nanoflow.sim import LLAMA3_8B as c
     model, peak, rows = random_model(device), copy_bandwidth(), []
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    for batch in KERNEL_BATCHES:
-        pool = KVPool(batch * DECODE_CONTEXT // BLOCK_SIZE, c.num_hidden_layers, BLOCK_SIZE,
-                      c.num_key_value_heads, c.head_dim, torch.bfloat16, torch.device(device))
+    for batch, mode in itertools.product(KERNEL_BATCHES, ("eager", "graphs")):
+        pool = llama_pool(batch * DECODE_CONTEXT // BLOCK_SIZE, device)
         floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak
-        for mode in ("eager", "graphs"):
-            s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
-            rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
-                             share_of_floor=floor / s))
-            print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of "
-                  "the bandwidth floor")
+        s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
+        rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
+                         share_of_floor=floor / s))
+        print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of the "
+              "bandwidth floor")
         del pool
         free_device_memory()
     shares = [f"batch {r['batch']} {r['mode']} {r['share_of_floor']:.0%}" for r in rows]
@@ -748,28 +793,25 @@ def bench_decode_speed(device: str = "cuda") -> dict:
 
 
 def bench_decode_beside_write_through(device: str = "cuda") -> float:
-    """One decode step at batch 64, alone and right after the engine's per-step write-through is queued."""
+    """One decode step at batch 64, alone and right after a step's write-through is queued."""
     sw = llama_swapper(DECODE_BATCH * DECODE_CONTEXT // BLOCK_SIZE, device)
     forward, tables = decode_forward(random_model(device), sw.device, DECODE_BATCH, DECODE_CONTEXT)
-    reqs = [SimpleNamespace(block_table=t, host_block_table=[], num_host_tokens=0,
-                            num_computed_tokens=DECODE_CONTEXT - 1) for t in tables]
-
-    def step():
-        forward()
-        torch.cuda.current_stream().synchronize()  # the compute stream only: copies may still be running
+    reqs = [fake_request(t, DECODE_CONTEXT - 1) for t in tables]
+    # the compute stream only: copies may still be running
+    step = lambda: (forward(), torch.cuda.current_stream().synchronize())  # noqa: E731
 
     def write_through_then_step() -> float:
         sw.complete_all()
         for r in reqs:
             sw.forget(r)  # so that there is always something to write
-        return seconds(lambda: (sw.write_through(reqs, max_blocks), step()))  # what the engine does per step
+        return seconds(lambda: (sw.write_through(reqs, max_blocks), step()))  # as the engine does
 
     alone = statistics.median(seconds(step) for _ in range(ITERS))
-    max_blocks = max(1, int(alone * sw.bandwidth / sw.block_bytes))  # as Scheduler.after_step sizes it
+    max_blocks = max(1, int(alone * sw.bandwidth / sw.block_bytes))  # as Scheduler.after_step
     beside = statistics.median(write_through_then_step() for _ in range(ITERS))
-    print(f"decode step, Llama-3-8B shape, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: {alone * 1e3:.1f} ms "
-          f"alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} blocks "
-          f"({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it")
+    print(f"decode step, Llama-3-8B shape, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: "
+          f"{alone * 1e3:.1f} ms alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} "
+          f"blocks ({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it")
     return beside / alone - 1
 
 
@@ -778,9 +820,9 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
 
 def run_cuda_tests() -> dict:
     """The test suite's `cuda`-marked tests, compiled kernels on the real device."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"],
-                         capture_output=True, text=True, env=env, cwd=Path(__file__).parent)
+                         capture_output=True, text=True, cwd=Path(__file__).parent,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
     last = (out.stdout.strip().splitlines() or ["no output"])[-1]
     if out.returncode != 0:
         raise RuntimeError(f"{last}\n{out.stdout[-3000:]}")
@@ -793,69 +835,71 @@ def burst_check(args: argparse.Namespace) -> dict:
     runs, w, info = run_workload(args)
     print(table(runs))
     f, t = (r.summary for r in runs)
+    gain = t["effective_throughput"] / f["effective_throughput"]
     return dict(policies={r.name: r.summary for r in runs}, engine=info["engine"],
                 summary=f"TTFT p99 {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} s, effective "
-                f"throughput {t['effective_throughput'] / f['effective_throughput']:.2f}x (fcfs -> "
-                f"tokenflow, {len(w)} requests)")
+                f"throughput {gain:.2f}x (fcfs -> tokenflow, {len(w)} requests)")
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
-    """Each step in order; one that needs a GPU is skipped without one; a failure is recorded, not
-    raised, so that one run reports on everything."""
-    steps = [("cuda tests", True, run_cuda_tests), ("kernels", True, bench_kernels),
-             ("transfers", True, bench_transfers), ("decode", True, bench_decode_speed),
-             ("burst", False, lambda: burst_check(args))]
+    """--gpu-check's steps in order, or those of --kernels and --transfers; one that needs a GPU
+    is skipped without one; a failure is recorded, not raised, so that one run reports on all."""
+    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels,
+             "transfers": bench_transfers, "decode": bench_decode_speed,
+             "burst": lambda: burst_check(args)}
     results = {}
-    for name, needs_gpu, fn in steps:
+    flagged = [n for n in ("kernels", "transfers") if getattr(args, n)]
+    for name in list(steps) if args.gpu_check else flagged:
         print(f"== {name}", flush=True)
-        if needs_gpu and not torch.cuda.is_available():
-            results[name] = dict(status="skipped", summary="needs a CUDA GPU; none here")
-            continue
         try:
-            results[name] = dict(status="ran", **fn())
+            if name != "burst" and not torch.cuda.is_available():
+                results[name] = dict(status="skipped", summary="needs a CUDA GPU; none here")
+            else:
+                results[name] = dict(status="ran", **steps[name]())
         except Exception as e:  # noqa: BLE001 (one step's failure must not hide the others')
-            first_line = f"{type(e).__name__}: {e}".splitlines()[0]
-            results[name] = dict(status="failed", summary=first_line, error=str(e))
+            summary = f"{type(e).__name__}: {e}".splitlines()[0]
+            results[name] = dict(status="failed", summary=summary, error=str(e))
         free_device_memory()
-    cpus = f"no GPU, {os.cpu_count()} CPUs"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpus
-    report = dict(device=device, torch=torch.__version__, steps=results)
-    path = args.json or GPU_CHECK_JSON
-    Path(path).write_text(json.dumps(report, indent=2, default=str))
-    print(f"\ngpu-check on {device} (torch {torch.__version__}); JSON in {path}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    report = dict(device=f"{device}, {os.cpu_count()} CPUs", torch=torch.__version__, steps=results)
+    path = args.json or (GPU_CHECK_JSON if args.gpu_check else None)
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2, default=str))
+    print(f"\n{', '.join(results)} on {report['device']} (torch {torch.__version__}); JSON: {path}")
     print("| step | status | result |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['status']} | {r['summary']} |")
     return report
 
 
-# ---------------------------------------------------------------- offline generation against transformers
+# ---------------------------------------------------------------- offline, against transformers
 
 
-def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int,
-                    dtype: str = "auto") -> None:
+def vs_transformers(args: argparse.Namespace) -> None:
+    """LLM.generate against transformers' generate: the same prompts, greedy, to a fixed length."""
     from transformers import AutoModelForCausalLM
 
     from nanoflow.model import demo_checkpoint
 
-    path = Path(ckpt) if ckpt else demo_checkpoint()
-    llm = LLM(path, dtype=dtype)
+    path = Path(args.ckpt) if args.ckpt else demo_checkpoint()
+    llm = LLM(path, dtype=args.dtype)
     dtype = llm.engine.model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
     print(f"dtype: {dtype}")
-    hf_kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    hf = AutoModelForCausalLM.from_pretrained(path.parent if hf_kwargs else path, dtype=dtype,
-                                              **hf_kwargs).eval()
+    gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    hf = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, dtype=dtype, **gguf)
     rng = random.Random(0)
     vocab = llm.engine.model.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    n_new = args.new_tokens
+    prompt_len = round(parse_dist(args.prompt_len or "128")[0])
+    params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
     print(f"{'prompts':>8} {'nanoflow tok/s':>15} {'transformers tok/s':>19} {'ratio':>6}")
-    for n in batch_sizes:
+    for n in map(int, args.batch_sizes.split(",")):
         prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        ours = n * new_tokens / seconds(lambda: llm.generate(prompts, params))
+        ours = n * n_new / seconds(lambda: llm.generate(prompts, params))
         with torch.no_grad():
-            theirs = n * new_tokens / seconds(lambda: hf.generate(
-                torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            theirs = n * n_new / seconds(lambda: hf.eval().generate(
+                torch.tensor(prompts), max_new_tokens=n_new, min_new_tokens=n_new,
                 do_sample=False, pad_token_id=0))
         print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
@@ -864,74 +908,71 @@ def vs_transformers(ckpt: str | None, batch_sizes: list[int], prompt_len: int, n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
-    work = ap.add_mutually_exclusive_group()
-    work.add_argument("--burst", type=int, metavar="N", help="N requests, all arriving at t=0")
-    work.add_argument("--poisson", type=float, metavar="RATE", help="Poisson arrivals, RATE requests/s")
-    work.add_argument("--trace", metavar="CSV", help="replay arrival_s,prompt_tokens,output_tokens rows, e.g. "
-                      f"data/azure_code_burst_10min.csv: the {TRACE_CREDIT}")
-    add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: %(default)s)")
-    add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this (0.5: twice the rate)")
-    add("--prompt-len", help="prompt tokens, MEAN[:SPREAD] of a normal (default: 64:16; 128 for --vs-transformers)")
-    add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD]; each runs to its length (default: "
-        "%(default)s)")
-    add("--read-rate", default="auto", help=f"readers' tokens/s: a rate, a mix RATE:SHARE,... ({PAPER_MIX} is the "
-        "paper's) or auto: the paper's mix scaled to this engine's measured speed, so that readers are slower than "
-        "decoding and their total demand within capacity (default: %(default)s)")
-    add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: %(default)s)")
-    add("--policies", default="fcfs,tokenflow", help="run one after the other (default: %(default)s)")
-    add("--tokenflow", default="", metavar="KEY=VALUE,...",
-        help=f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})")
-    add("--simulate", action="store_true", help="run a simulated engine on a virtual clock (nanoflow/sim.py)")
+    work = ap.add_mutually_exclusive_group().add_argument
+    work("--burst", type=int, metavar="N", help="N requests, all arriving at t=0")
+    work("--poisson", type=float, metavar="RATE", help="Poisson arrivals, RATE requests/s")
+    work("--trace", metavar="FILE", help="replay a CSV of arrival_s,prompt_tokens,output_tokens "
+         f"(data/azure_code_burst_10min.csv: the {TRACE_CREDIT}) or a Mooncake JSONL")
+    work("--multi-turn", type=int, metavar="N", help="N conversations of --turns turns each")
+    add("--turns", type=int, default=3, help="--multi-turn: turns per conversation (default: 3)")
+    add("--think-time", type=float, default=5.0, help="--multi-turn: mean s before a next turn")
+    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per hash id of a Mooncake "
+        f"trace; its prompt lengths scale along (default: {TRACE_BLOCK}, as recorded)")
+    add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K chats")
+    add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
+    add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
+    add("--prompt-len", help="prompt (--multi-turn: message) tokens, MEAN[:SPREAD] of a normal "
+        "(default: 64:16; 128 for --vs-transformers)")
+    add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD] (default: 128:32)")
+    add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
+        "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
+    add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
+    add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
+    add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
     add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
-    add("--uncharged", action="store_true", help="--simulate: leave the scheduler's measured CPU time off the "
-        "virtual clock, so that runs repeat exactly")
-    add("--calibrate", action="store_true", help="fit a cost model to this engine on this machine and print it")
-    add("--http", metavar="URL", help="send the workload to a running server (python -m nanoflow.serve)")
+    add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
+    add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
+    add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
-    add("--kv-frac", type=float, help="device KV pool as a share of what the whole workload needs at full length "
-        f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, so that a burst does not fit at once; "
-        "else all memory)")
+    add("--kv-frac", type=float, help="device KV pool: share of the workload at full length "
+        f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, else all memory)")
     add("--host-kv-gb", type=float, help="host memory (GiB) for swapped-out and cached KV "
-        f"(default: {REAL_HOST_KV_GB}; --simulate: the preset's)")
-    add("--context", type=int, default=8192, help="--http: clamp lengths to this context (default: %(default)s)")
+        f"(default: {EngineConfig.host_kv_gb}; --simulate: the preset's)")
+    add("--context", type=int, default=8192, help="--http: clamp lengths to this (default: 8192)")
     add("--json", metavar="PATH", help="write the config and each policy's metrics as JSON")
-    add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs (needs matplotlib)")
+    add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs")
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
-    add("--transfers", action="store_true", help="time KV swaps, and decode beside write-through (GPU only)")
-    add("--gpu-check", action="store_true", help="what to run first on a GPU, in order: the cuda "
-        "tests, --kernels, --transfers, decode speed against the bandwidth floor, a short burst; "
-        f"one JSON (--json, default {GPU_CHECK_JSON}) and one table; without a GPU the steps that "
-        "need one say so")
-    add("--vs-transformers", action="store_true", help="compare LLM.generate with transformers' generate")
-    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate every regime of the matrix (bursts, Poisson up to "
-        "overload, tight memory, long prompts, readers, traces) under both policies; one table with a verdict per row (FILTER: only rows whose name contains it)")
-    add("--sched-cost", action="store_true", help="time one scheduling decision at 256 and 1024 running requests")
+    add("--transfers", action="store_true", help="time KV swaps and write-through (GPU only)")
+    add("--gpu-check", action="store_true", help="cuda tests, kernels, transfers, decode, burst")
+    add("--vs-transformers", action="store_true", help="LLM.generate against transformers'")
+    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
+        "by name) under both policies: a verdict per row")
+    add("--sched-cost", action="store_true", help="time a decision at 256 and 1024 running")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
-    add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens generated per prompt")
+    add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
     modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.calibrate,
              args.matrix is not None, args.sched_cost)
-    if not (args.burst or args.poisson or args.trace or any(modes)):
-        ap.error("choose a workload (--burst, --poisson or --trace) or --kernels, --transfers, --vs-transformers, "
-                 "--calibrate")
+    if not (args.burst or args.poisson or args.trace or args.multi_turn or any(modes)):
+        ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
         parse_dist(args.prompt_len or "1"), parse_dist(args.output_len)
         parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     except ValueError:
-        ap.error("--prompt-len and --output-len take MEAN[:SPREAD]; --read-rate takes RATE[:SHARE],... or auto")
+        ap.error("--prompt-len, --output-len: MEAN[:SPREAD]; --read-rate: RATE[:SHARE],... or auto")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
-    try:
-        args.tokenflow_config = TokenFlowConfig.parse(args.tokenflow)
-    except ValueError as e:
-        ap.error(f"--tokenflow takes KEY=VALUE,...: {e}")
+    if args.conversations and ".jsonl" not in (args.trace or ""):
+        ap.error("--conversations takes the conversations of a Mooncake trace (--trace *.jsonl)")
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
-    if args.http and args.read_rate == "auto":
-        ap.error("--http needs --read-rate: auto measures an engine in this process")
+    if args.http and (args.read_rate == "auto" or args.multi_turn):
+        ap.error("--http needs --read-rate (auto measures an engine in this process) and no "
+                 "--multi-turn (a later turn needs the answer's tokens)")
     return args
 
 
@@ -939,32 +980,33 @@ def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
     """The workload of args, through a server or under each policy in this process."""
     args.prompt_len = args.prompt_len or "64:16"
     w = build_workload(args)
-    if args.http:
-        w = w.clamped(args.context)
-        return [drive_http(args.http, w)], w, {"engine": f"server at {args.http}", "rates": args.read_rate}
-    return run_policies(args, w)
+    if not args.http:
+        return run_policies(args, w)
+    w = w.clamped(args.context)
+    info = {"engine": f"server at {args.http}", "rates": args.read_rate}
+    return [drive_http(args.http, w)], w, info
 
 
 def serving_bench(args: argparse.Namespace) -> None:
-    credit = MOONCAKE_CREDIT if args.trace and ".jsonl" in args.trace else TRACE_CREDIT
+    credit = MOONCAKE_CREDIT if ".jsonl" in (args.trace or "") else TRACE_CREDIT
     if args.trace:
         print(f"trace: {credit}")
     runs, w, info = run_workload(args)
     print(f"workload: {w.source}; seed {args.seed}")
-    if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
-        ids = [b[:cdiv(p, TRACE_BLOCK)] for b, p in zip(w.block_ids, w.prompt_len)]
-        capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // TRACE_BLOCK
-        print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
-              f"{TRACE_BLOCK}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
-              f"{lru_hit_rate(ids, math.inf):.1%}")
     print(f"engine: {info['engine']}")
     if "kv_blocks" in info:
-        print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold {info['probe_batch']} of the "
-              f"{len(w)} requests at full length")
+        print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
+              f"{info['probe_batch']} of the {len(w)} requests at full length")
     print(f"readers: {info['rates']}")
+    if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
+        ids = [b[:cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
+        capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // w.block_tokens
+        print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
+              f"{w.block_tokens}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
+              f"{lru_hit_rate(ids, math.inf):.1%}")
     print(table(runs))
-    config = {**vars(args), "tokenflow_config": dataclasses.asdict(args.tokenflow_config), **info,
-              "mean_rate": sum(w.rate) / len(w), "workload": w.source,
+    config = {**vars(args), "tokenflow": dataclasses.asdict(args.tokenflow or TokenFlowConfig()),
+              **info, "mean_rate": sum(w.rate) / len(w), "workload": w.source,
               "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
               **({"trace_credit": credit} if args.trace else {})}
     if args.json:
@@ -974,35 +1016,33 @@ def serving_bench(args: argparse.Namespace) -> None:
         plot(runs, args.plot)
 
 
+def matrix(args: argparse.Namespace) -> None:
+    print(f"trace: {TRACE_CREDIT}\n{MATRIX_BASE} plus each row's arguments\n{MATRIX_HEAD}")
+    results = []
+    for result in run_matrix([row for row in MATRIX if args.matrix in row[0]]):
+        print(matrix_row(*result), flush=True)
+        results.append(dict(zip(("regime", "fcfs", "tokenflow", "misses"), result)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.gpu_check:
+    if args.gpu_check or args.kernels or args.transfers:
         gpu_check(args)
+    if args.gpu_check:
         return
-    if args.kernels and require_cuda("--kernels"):
-        bench_kernels()
-    if args.transfers and require_cuda("--transfers"):
-        bench_transfers()
     if args.vs_transformers:
-        vs_transformers(args.ckpt, [int(b) for b in args.batch_sizes.split(",")],
-                        round(parse_dist(args.prompt_len or "128")[0]), args.new_tokens, args.dtype)
+        vs_transformers(args)
     if args.calibrate:
         from nanoflow.sim import calibrate
         print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
-    if args.burst or args.poisson or args.trace:
+    if args.burst or args.poisson or args.trace or args.multi_turn:
         serving_bench(args)
     if args.sched_cost:
         sched_cost()
     if args.matrix is not None:
-        print(f"trace: {TRACE_CREDIT}\n{MATRIX_BASE} plus each row's arguments")
-        print(MATRIX_HEAD)
-        results = []
-        for result in run_matrix([row for row in MATRIX if args.matrix in row[0]]):
-            print(matrix_row(*result), flush=True)
-            results.append(result)
-        if args.json:
-            Path(args.json).write_text(json.dumps([{"regime": n, "fcfs": f, "tokenflow": t, "misses": m}
-                                                   for n, f, t, m in results], indent=2))
+        matrix(args)
 
 
 if __name__ == "__main__":

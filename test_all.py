@@ -2505,6 +2505,9 @@ import math  # noqa: E402
 import bench  # noqa: E402
 
 BENCH_WORKLOAD = ["--burst", "4", "--prompt-len", "12:2", "--output-len", "10:2", "--seed", "1"]
+METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99",
+               "qoe_mean", "qoe_good_share", "effective_throughput", "throughput", "makespan",
+               "preemptions", "requests", "completed")
 
 
 def check_bench_output(out: str, path, policies: list[str]) -> None:
@@ -2512,7 +2515,7 @@ def check_bench_output(out: str, path, policies: list[str]) -> None:
     report = json.loads(path.read_text())
     assert report["config"]["burst"] == 4 and list(report["policies"]) == policies
     for m in report["policies"].values():
-        assert all(key in m and math.isfinite(m[key]) for key in bench.METRIC_KEYS)
+        assert all(key in m and math.isfinite(m[key]) for key in METRIC_KEYS)
         assert m["completed"] == m["requests"] == 4
         assert m["ttft_p50"] <= m["ttft_p99"] and m["rebuffer_mean"] >= 0 and 0 <= m["qoe_good_share"] <= 1
         assert 0 < m["effective_throughput"] <= m["throughput"] and m["makespan"] > 0
@@ -2544,6 +2547,54 @@ def test_bench_http(ckpt, tmp_path, capsys):
         check_bench_output(capsys.readouterr().out, path, ["http"])
     finally:
         srv.shutdown()
+
+
+def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):
+    """Turn k's prompt is turn k-1's prompt and answer plus a message, sent after that answer; with
+    prefix caching, every later turn finds at least the blocks the previous turn had filled before
+    its last step, as the engine's counters say (a block filled by a request's last step is not
+    named today: after_step names the blocks of running requests only)."""
+    args = bench.parse_args(["--multi-turn", "3", "--turns", "3", "--think-time", "0.05",
+                             "--prompt-len", "20:4", "--output-len", "12:2", "--read-rate", "20"])
+    w = bench.build_workload(args)
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=256, block_size=bench.BLOCK_SIZE)
+    run = bench.drive(llm.engine, w, "multi-turn")
+    assert run.summary["completed"] == len(w) == 9
+    reqs = run.requests
+    for i, prev in enumerate(w.follows):
+        if prev >= 0:
+            assert reqs[i].prompt_token_ids[:reqs[prev].num_tokens] == reqs[prev].token_ids
+            assert len(reqs[i].prompt_token_ids) > reqs[prev].num_tokens
+            assert reqs[i].arrival_time >= reqs[prev].token_times[-1]
+    full = sum((reqs[p].num_tokens - 2) // bench.BLOCK_SIZE * bench.BLOCK_SIZE
+               for p in w.follows if p >= 0)
+    hits = run.counters["prefix_hit_tokens"] + run.counters["prefix_host_hit_tokens"]
+    assert full <= hits < sum(w.prompt_len)
+
+
+def test_mooncake_replay_scaled_down_on_the_real_engine(ckpt, tmp_path, capsys):
+    """A Mooncake trace's first conversations, scaled down to 4-token hash blocks (prompts of a few
+    hundred tokens): the engine finds prefix hits (turns share their leading blocks), never more
+    than an unbounded cache of every earlier prompt's full blocks could give; the plain-LRU bound
+    is printed beside them."""
+    trace = os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")
+    flags = ["--trace", trace, "--conversations", "3", "--trace-block", "4", "--time-scale",
+             "0.01", "--read-rate", "20"]
+    path = tmp_path / "mooncake.json"
+    bench.main(["--ckpt", str(ckpt), "--device", "cpu", "--num-kv-blocks", "256", "--policies",
+                "tokenflow", "--json", str(path), *flags])
+    out = capsys.readouterr().out
+    assert "plain LRU of the trace's hash ids" in out and "blocks of 4)" in out
+    m = json.loads(path.read_text())["policies"]["tokenflow"]
+    w = bench.build_workload(bench.parse_args(flags))
+    seen, bound = set(), 0
+    for ids in map(w.prompt_ids, range(len(w))):
+        # the engine's full blocks, each named by the whole prefix up to its end
+        full = [tuple(ids[:end]) for end in range(16, len(ids), 16)]
+        bound += 16 * next((k for k, h in enumerate(full) if h not in seen), len(full))
+        seen.update(full)
+    assert m["completed"] == m["requests"] == len(w) == 7
+    assert 0 < m["prefix_hit_tokens"] + m["prefix_host_hit_tokens"] <= bound
 
 
 def test_bench_gpu_modes_explain_themselves_without_cuda(capsys):

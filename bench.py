@@ -934,7 +934,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
     add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
-    add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
@@ -955,7 +954,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
-    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.calibrate,
+    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers,
              args.matrix is not None, args.sched_cost)
     if not (args.burst or args.poisson or args.trace or args.multi_turn or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
@@ -1034,9 +1033,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.vs_transformers:
         vs_transformers(args)
-    if args.calibrate:
-        from nanoflow.sim import calibrate
-        print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
     if args.burst or args.poisson or args.trace or args.multi_turn:
         serving_bench(args)
     if args.sched_cost:

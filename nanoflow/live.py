@@ -1,10 +1,9 @@
 """The live view: what the page at `GET /` (live.html) shows, several times a second.
 
-The server's engine thread calls `LiveView.observe` after each step, but only while a browser
-watches: with nobody connected a step pays one integer test. At most every SNAPSHOT_INTERVAL_S it
-builds a snapshot (a plain dict: one row per request with its reader's buffer, the KV pools,
-tokens/s, recent preemptions and resumes) on that thread, the only one that touches requests, and
-hands it to the viewers' connection threads under a lock; each sends it as one server-sent event.
+While a browser watches, the server's engine thread (the only one that touches requests) calls
+`LiveView.observe` after each step; at most every SNAPSHOT_INTERVAL_S it builds a snapshot (a dict:
+a row per request with its reader's buffer, the KV pools, tokens/s, recent preemptions and
+resumes) and hands it to the viewers' connection threads, which send it as a server-sent event.
 A finished request's row stays while its reader still reads its buffer.
 """
 

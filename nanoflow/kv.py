@@ -56,7 +56,8 @@ class KVPool:
     def _pin(self) -> None:
         """Page-lock exactly this pool until it is collected (pin_memory=True rounds up to a power
         of two: 100 GiB would pin 128)."""
-        cudart, ptr = torch.cuda.cudart(), self.kv_cache.data_ptr()
+        cudart = torch.cuda.cudart()
+        ptr = self.kv_cache.data_ptr()
         nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
         if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:  # cudaSuccess
             raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; "
@@ -85,8 +86,6 @@ class KVPool:
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend block_table in place to hold num_tokens; False (nothing taken) if short."""
-        if num_tokens <= len(block_table) * self.block_size:
-            return True
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             return False
@@ -177,13 +176,10 @@ def build_metadata(block_tables: list[list[int]], num_computed: list[int], query
     width = max(len(t) for t in block_tables)
     padded = [t + [0] * (width - len(t)) for t in block_tables]
     starts = list(itertools.accumulate(query_lens, initial=0))
-    meta = AttnMetadata(
-        slot_mapping=to_device(slots, torch.int64, device),
-        block_tables=to_device(padded, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        query_start_loc=to_device(starts, torch.int32, device),
-        num_decodes=num_decodes,
-        query_lens=list(query_lens),
-        seq_lens_list=seq_lens,
-    )
+    meta = AttnMetadata(slot_mapping=to_device(slots, torch.int64, device),
+                        block_tables=to_device(padded, torch.int32, device),
+                        seq_lens=to_device(seq_lens, torch.int32, device),
+                        query_start_loc=to_device(starts, torch.int32, device),
+                        num_decodes=num_decodes, query_lens=list(query_lens),
+                        seq_lens_list=seq_lens)
     return meta, to_device(positions, torch.int64, device)

@@ -128,7 +128,7 @@ class LiveView:
 def request_state(req: Request) -> str:
     if req.status == RequestStatus.PREEMPTED:
         return PAUSED[0] if req.num_host_tokens else PAUSED[1]
-    if req.status == RequestStatus.RUNNING and req.num_computed_tokens < req.num_tokens - 1:
+    if req.status == RequestStatus.RUNNING and req.num_new_tokens > 1:
         return "prefilling"
     return req.status.value
 

@@ -22,8 +22,7 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s r
 
 def reads(token_times: list[float], rate: float) -> Iterator[tuple[float, float]]:
     """The reader model, once for all: each token's read time, and how long the reader waited
-    for it (0 for the first)."""
-    # the earliest the reader can read the next token: 1/r after the last read
+    for it past `due`, 1/r after the read before (0 for the first)."""
     due = float("-inf")
     for made in token_times:
         read = max(made, due)

@@ -89,8 +89,7 @@ class SamplingParams:
         valid = lambda k, v: str(k).isdigit() and is_num(v) and abs(v) <= 100  # noqa: E731
         check("logit_bias", isinstance(bias, dict) and all(valid(k, v) for k, v in bias.items()),
               "a map from token id to a number in [-100, 100]")
-        # JSON keys are strings
-        self.logit_bias = {int(k): float(v) for k, v in bias.items()}
+        self.logit_bias = {int(k): float(v) for k, v in bias.items()}  # JSON keys are strings
         seed = self.seed
         check("seed", seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
               "a 64-bit integer or None")
@@ -201,13 +200,12 @@ class StepRates:
 
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         if prefill_tokens > decode_tokens:
-            rate = prefill_tokens / seconds
-            self.prefill_rate = self._average("prefill", self.prefill_rate, rate)
+            self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
         decoding = seconds - prefill_tokens / self.prefill_rate
         if decode_tokens and decoding > 0:
             b = decode_tokens
             moments = (b, decoding, b * b, b * decoding)
-            self.decode_moments = self._average("decode", self.decode_moments, moments)
+            self.decode_moments = self._ema("decode", self.decode_moments, moments)
 
     def decode_time(self, batch: float) -> float:
         """Seconds of a decode step of `batch` requests: a least-squares line over recent steps."""
@@ -216,7 +214,7 @@ class StepRates:
         slope = max(0.0, (bt - b * t) / spread) if spread > 1.0 else 0.0
         return max(t / 10, t + slope * (batch - b))
 
-    def _average(self, key: str, old, new):
+    def _ema(self, key: str, old, new):
         """The first measurement replaces the guess; later ones move the average."""
         self.seen[key] += 1
         if self.seen[key] == 1:
@@ -244,8 +242,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.rates = StepRates()
-        # preempted requests first, then newcomers in arrival order
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # the preempted first, then newcomers by arrival
         self.running: list[Request] = []  # in admission order
         self.counters: Counter[str] = Counter()
         self.last_arrival = float("-inf")
@@ -413,8 +410,7 @@ class Scheduler:
         """Learn from the step just run; the policy may copy freshly filled blocks to host."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
         if self.enable_prefix_caching:
-            # blocks still being loaded are not shared yet
-            for req in filter(loaded, self.running):
+            for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
         # the host pool is the cache's second tier: while the link would idle within a step after
@@ -464,8 +460,8 @@ class FCFS:
         """Waiting requests in order while the estimate says memory lasts (a misfit stops it)."""
         reserved = None  # summed over the running requests only when someone might fit
         seats = max(0, s.max_num_seqs - len(s.running))
-        # a copy: start() edits s.waiting
-        for req in list(itertools.islice(self.admission_queue(s, now), seats)):
+        queue = list(itertools.islice(self.admission_queue(s, now), seats))  # start() edits it
+        for req in queue:
             if s.full(budget):
                 return
             need = self.future_tokens(s, req)
@@ -503,9 +499,9 @@ class FCFS:
         return False
 
     def after_step(self, s: Scheduler) -> None:
-        ratios = self.fcfs.init_new_token_ratio - self.fcfs.min_new_token_ratio
-        step = ratios / self.fcfs.decay_steps
-        self.new_token_ratio = max(self.new_token_ratio - step, self.fcfs.min_new_token_ratio)
+        fcfs = self.fcfs
+        step = (fcfs.init_new_token_ratio - fcfs.min_new_token_ratio) / fcfs.decay_steps
+        self.new_token_ratio = max(self.new_token_ratio - step, fcfs.min_new_token_ratio)
 
 
 @dataclass
@@ -552,10 +548,8 @@ class TokenFlow(FCFS):
         self.config = config or TokenFlowConfig()
         self.last_rebalance = float("-inf")
         self.keep: set[Request] = set()
-        # the keep-set's waiting members at the last rebalance, most urgent first
-        self.joining: list[Request] = []
-        # the started readers alone ask for more tokens/s than the engine makes
-        self.overloaded = False
+        self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
+        self.overloaded = False  # the started readers alone ask for more than the engine makes
 
     # ------------------------------------------------------------ when and whom to preempt
 
@@ -584,7 +578,6 @@ class TokenFlow(FCFS):
         and back) would busy the link past the next rebalance: switching must not outrun it."""
         joining = [r for r in self.joining if urgency[r][0] < 2]
         blocks = sum(s.blocks_to_decode(r) for r in joining) - s.kv.num_free
-        # and room to grow (blocks_to_admit)
         blocks += self.growth_blocks(s, itertools.chain(s.running, joining))
         seats = len(joining) - (s.max_num_seqs - len(s.running))
         link = self.config.interval - (s.swapper.backlog() if s.swapper else 0.0)
@@ -660,11 +653,11 @@ class TokenFlow(FCFS):
         return self.config.interval / s.step_time()
 
     def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
-        """Its reader can stay off for mu - 1 switches before it must be back (`lead`)."""
-        if not req.started or now - req.last_moved < self.config.interval:
-            return False  # no reader yet, or moved within the interval
-        if req.num_tokens_left * s.step_time() <= self.config.interval:
-            return False  # done within the interval anyway
+        """Its reader can stay off for mu - 1 switches before it must be back (`lead`), it has not
+        moved within an interval, and it would not finish within one anyway."""
+        settled = req.started and now - req.last_moved >= self.config.interval
+        if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:
+            return False
         switch = self.switch_time(s, req)
         return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch
 
@@ -690,10 +683,9 @@ class TokenFlow(FCFS):
 
     def token_budget(self, s: Scheduler, now: float) -> int:
         """A token per running request, and prompt tokens while no reader runs dry meanwhile."""
-        if self.overloaded:
-            return s.max_num_batched_tokens  # readers stall anyway: the baseline's budget
-        if not s.waiting and all(r.num_new_tokens <= 1 for r in s.running):
-            return s.max_num_batched_tokens  # decodes only: nothing to limit
+        decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
+        if self.overloaded or decodes_only:
+            return s.max_num_batched_tokens  # readers stall anyway, or nothing to limit
         # the running readers, and the paused members that may resume now
         readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now

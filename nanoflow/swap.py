@@ -55,8 +55,7 @@ class Swapper:
         self.staging = [(torch.empty(shape, dtype=cache.dtype, device=cache.device),
                          torch.empty(shape, dtype=cache.dtype, pin_memory=self.on_cuda))
                         for _ in range(2)]
-        # the transfer that last used each staging slot
-        self.last_use: list[Transfer | None] = [None, None]
+        self.last_use: list[Transfer | None] = [None, None]  # the last transfer of each slot
         self.slot = 0
         self.in_flight: deque[Transfer] = deque()
         self.queued_bytes = 0  # issued and not finished yet

@@ -21,8 +21,8 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s r
 
 
 def reads(token_times: list[float], rate: float) -> Iterator[tuple[float, float]]:
-    """The reader model, once for all: each token's read time, and how long the reader waited
-    for it past `due`, 1/r after the read before (0 for the first)."""
+    """The reader model, in one place: each token's read time, and how long the reader waited for
+    it past its due time, 1/r after the read before (the first token waits for nothing)."""
     due = float("-inf")
     for made in token_times:
         read = max(made, due)
@@ -45,7 +45,8 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
     1, falling linearly to 0 at 20%: a token made long before anyone can read it is worth less."""
     times = read_times(token_times, rate)
     low, high = 0.1 * len(token_times), 0.2 * len(token_times)
-    weights, read = [], 0
+    weights = []
+    read = 0
     for j, t in enumerate(token_times):
         while read < j and times[read] <= t:
             read += 1
@@ -107,7 +108,9 @@ class Histogram:
     """A Prometheus histogram: counts per bucket upper bound, a sum and a count."""
 
     def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, buckets
+        self.name = name
+        self.help = help
+        self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self.sum = 0.0
 

@@ -99,7 +99,8 @@ class Swapper:
         if not self.host.grow(req.host_block_table, num_tokens):
             return False
         bs = self.device.block_size
-        end, full = cdiv(num_tokens, bs), num_tokens // bs
+        end = cdiv(num_tokens, bs)
+        full = num_tokens // bs
         self._to_host(req.block_table[start:end], req.host_block_table[start:end])
         req.num_host_tokens = num_tokens
         self.host.cache_blocks(req.host_block_table[start:full], req.block_hashes[start:full])

@@ -1,11 +1,10 @@
 """The paged KV pool: fixed-size blocks of KV memory, handed to requests as they grow.
 
-One device tensor holds every block, block-major: `[num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim]`, so one block (all layers, K and V) is one contiguous span and moves to host
-memory in a single copy (swap.py). Layers read it through strided views. A request owns an ordered
-list of block ids, its `block_table`; token i of the request lives in slot `block_table[i //
-block_size] * block_size + i % block_size`. The scheduler asks this pool for room before it runs a
-request; the runner asks it for the step's `slot_mapping` and `block_tables`.
+One tensor holds every block, block-major: `[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]`, so a block (all layers, K and V) is one contiguous span and moves to host memory in one
+copy (swap.py); layers read it through strided views. A request's `block_table` lists its blocks:
+token i lives in slot `block_table[i // block_size] * block_size + i % block_size`. The scheduler
+asks the pool for room; the runner asks it for the step's `slot_mapping` and `block_tables`.
 
 Prefix caching: a full block is named by a hash chained over its tokens and its parent's hash, so
 equal prefixes have equal hashes. Blocks are reference-counted; a full block whose count drops to
@@ -13,6 +12,7 @@ zero stays cached (LRU, first to go when a request needs memory), and a new requ
 starts with cached blocks takes a reference to them instead of computing them again.
 """
 
+import itertools
 import weakref
 from collections import OrderedDict, deque
 
@@ -29,18 +29,15 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 class KVPool:
-    """KV memory and its block allocator. Invariant: free + referenced + cached + pending ==
-    num_blocks, where cached blocks (full, hashed, referenced by nobody) count as free: they are
-    taken last.
+    """KV memory and its block allocator: the device pool, or the host pool (swap.py) in CPU
+    memory. Free + referenced + cached + pending == num_blocks; cached blocks (full, hashed,
+    unreferenced) count as free but are taken last; a block freed while a transfer may still use
+    it waits in `pending_free` until the transfer's event completes."""
 
-    The device pool lives on the GPU; the host pool (swap.py) is the same class in CPU memory,
-    pinned when the device is CUDA. A block freed while a transfer may still read or write it waits
-    in `pending_free` until that transfer's event completes.
-    """
-
-    def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, host: bool = False):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, host: bool = False):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         if host:  # in CPU memory, pinned for DMA; every block is written before it is read
             self.kv_cache = torch.empty(shape, dtype=dtype)
@@ -59,7 +56,8 @@ class KVPool:
     def _pin(self) -> None:
         """Page-lock exactly this pool until it is collected (pin_memory=True rounds up to a power
         of two: 100 GiB would pin 128)."""
-        cudart, ptr = torch.cuda.cudart(), self.kv_cache.data_ptr()
+        cudart = torch.cuda.cudart()
+        ptr = self.kv_cache.data_ptr()
         nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
         if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:  # cudaSuccess
             raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; "
@@ -68,7 +66,7 @@ class KVPool:
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
-        return [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(self.kv_cache.shape[1])]
+        return [(layer[:, 0], layer[:, 1]) for layer in self.kv_cache.unbind(1)]
 
     @property
     def num_free(self) -> int:
@@ -82,10 +80,12 @@ class KVPool:
         """How many more blocks a table needs to hold num_tokens tokens."""
         return max(0, cdiv(num_tokens, self.block_size) - len(block_table))
 
+    def num_full(self, block_table: list[int], num_tokens: int) -> int:
+        """Blocks of the table that num_tokens fill."""
+        return min(num_tokens // self.block_size, len(block_table))
+
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Extend block_table in place to hold num_tokens; False (and nothing taken) if the pool is short."""
-        if num_tokens <= len(block_table) * self.block_size:
-            return True
+        """Extend block_table in place to hold num_tokens; False (nothing taken) if short."""
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             return False
@@ -127,8 +127,7 @@ class KVPool:
         return sum(self.ref_cnt[b] == 1 for b in block_table)
 
     def match_prefix(self, hashes: list[int]) -> list[int]:
-        """The cached blocks of the longest leading run of these hashes, each now referenced once
-        more."""
+        """Cached blocks of the longest leading run of these hashes, each referenced once more."""
         blocks = []
         for h in hashes:
             block = self.cached.get(h)
@@ -157,20 +156,17 @@ class KVPool:
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list on the device without blocking the host: torch.tensor(..., device=)
-    waits for the stream (for a load the step waits for, say), and so does a non_blocking copy
-    from pageable memory."""
+    """A small host list on the device without blocking the host (torch.tensor(..., device=)
+    waits for the stream, and so does a non_blocking copy from pageable memory)."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
-                   num_decodes: int, block_size: int, device: torch.device) -> tuple[AttnMetadata, Tensor]:
-    """Attention metadata and positions for one flat batch.
-
-    Sequence i contributes query_lens[i] new tokens at positions num_computed[i] onwards; its
-    block table already covers them.
-    """
+                   num_decodes: int, block_size: int,
+                   device: torch.device) -> tuple[AttnMetadata, Tensor]:
+    """Attention metadata and positions for one flat batch: sequence i adds query_lens[i] tokens
+    at positions num_computed[i] onwards, which its block table already covers."""
     positions, slots = [], []
     for table, start, n in zip(block_tables, num_computed, query_lens):
         for pos in range(start, start + n):
@@ -179,16 +175,11 @@ def build_metadata(block_tables: list[list[int]], num_computed: list[int], query
     seq_lens = [c + n for c, n in zip(num_computed, query_lens)]
     width = max(len(t) for t in block_tables)
     padded = [t + [0] * (width - len(t)) for t in block_tables]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    meta = AttnMetadata(
-        slot_mapping=to_device(slots, torch.int64, device),
-        block_tables=to_device(padded, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        query_start_loc=to_device(starts, torch.int32, device),
-        num_decodes=num_decodes,
-        query_lens=list(query_lens),
-        seq_lens_list=seq_lens,
-    )
+    starts = list(itertools.accumulate(query_lens, initial=0))
+    meta = AttnMetadata(slot_mapping=to_device(slots, torch.int64, device),
+                        block_tables=to_device(padded, torch.int32, device),
+                        seq_lens=to_device(seq_lens, torch.int32, device),
+                        query_start_loc=to_device(starts, torch.int32, device),
+                        num_decodes=num_decodes, query_lens=list(query_lens),
+                        seq_lens_list=seq_lens)
     return meta, to_device(positions, torch.int64, device)

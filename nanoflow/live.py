@@ -1,10 +1,9 @@
 """The live view: what the page at `GET /` (live.html) shows, several times a second.
 
-The server's engine thread calls `LiveView.observe` after each step, but only while a browser
-watches: with nobody connected a step pays one integer test. At most every SNAPSHOT_INTERVAL_S it
-builds a snapshot (a plain dict: one row per request with its reader's buffer, the KV pools,
-tokens/s, recent preemptions and resumes) on that thread, the only one that touches requests, and
-hands it to the viewers' connection threads under a lock; each sends it as one server-sent event.
+While a browser watches, the server's engine thread (the only one that touches requests) calls
+`LiveView.observe` after each step; at most every SNAPSHOT_INTERVAL_S it builds a snapshot (a dict:
+a row per request with its reader's buffer, the KV pools, tokens/s, recent preemptions and
+resumes) and hands it to the viewers' connection threads, which send it as a server-sent event.
 A finished request's row stays while its reader still reads its buffer.
 """
 
@@ -36,7 +35,8 @@ class LiveView:
     """Snapshots of the engine for the viewers connected now; thread-safe through one condition."""
 
     def __init__(self, engine: Engine, model: str):
-        self.engine, self.model = engine, model
+        self.engine = engine
+        self.model = model
         self.changed = threading.Condition()
         self.viewers = 0
         self.version = 0
@@ -129,7 +129,7 @@ class LiveView:
 def request_state(req: Request) -> str:
     if req.status == RequestStatus.PREEMPTED:
         return PAUSED[0] if req.num_host_tokens else PAUSED[1]
-    if req.status == RequestStatus.RUNNING and req.num_computed_tokens < req.num_tokens - 1:
+    if req.status == RequestStatus.RUNNING and req.num_new_tokens > 1:
         return "prefilling"
     return req.status.value
 
@@ -139,7 +139,7 @@ def request_row(req: Request, now: float) -> dict:
     reading one token every 1/r s until `dry_at`, (dry_at - now) * r - 1 are still unread."""
     lead = req.dry_at - now
     return {"id": req.request_id, "state": request_state(req), "read_rate": req.read_rate,
-            "ttft": req.token_times[0] - req.arrival_time if req.started else None,
+            "ttft": req.record().ttft if req.started else None,
             "age": now - req.arrival_time, "output": req.num_output_tokens,
             "max_tokens": req.params.max_tokens, "preemptions": req.num_preemptions,
             "buffer_tokens": max(0, math.ceil(lead * req.read_rate - 1)) if req.started else 0,
@@ -149,7 +149,8 @@ def request_row(req: Request, now: float) -> dict:
 def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], SamplingParams]]:
     """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}; prompts are
     random token ids, outputs exactly output_len long."""
-    rates, lengths = body.get("read_rates"), (body.get("prompt_len"), body.get("output_len"))
+    rates = body.get("read_rates")
+    lengths = (body.get("prompt_len"), body.get("output_len"))
     if not isinstance(rates, list) or not 1 <= len(rates) <= MAX_BURST:
         raise ValueError(f"`read_rates` must list one rate per request, 1 to {MAX_BURST} of them")
     if not all(type(n) is int and n >= 1 for n in lengths):

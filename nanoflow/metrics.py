@@ -9,43 +9,46 @@ time, the generation time of each token and r. At the end: the server's /metrics
 import bisect
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-# s: the delay past which users disengage (TokenFlow's user study); Andes' QoE target
-TTFT_TARGET = 1.3
-# engine.stats() keys that are levels; the rest count since start
-ENGINE_GAUGES = {"running", "waiting", "preempted"}
-# s; 1.3 s is where users give up
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)
-# s; a reader at 8 tok/s needs < 0.125
-TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+TTFT_TARGET = 1.3  # s: past it users disengage (TokenFlow's user study); Andes' QoE target
+ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() levels; the rest are counts
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s: users give up
+TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s readers need < 0.125
+
+
+def reads(token_times: list[float], rate: float) -> Iterator[tuple[float, float]]:
+    """The reader model, in one place: each token's read time, and how long the reader waited for
+    it past its due time, 1/r after the read before (the first token waits for nothing)."""
+    due = float("-inf")
+    for made in token_times:
+        read = max(made, due)
+        yield read, (max(0.0, read - due) if due > float("-inf") else 0.0)
+        due = read + 1.0 / rate
 
 
 def read_times(token_times: list[float], rate: float) -> list[float]:
     """When the virtual reader reads each token."""
-    out, t = [], float("-inf")
-    for g in token_times:
-        t = max(g, t + 1.0 / rate)
-        out.append(t)
-    return out
+    return [read for read, _ in reads(token_times, rate)]
 
 
 def rebuffer_time(token_times: list[float], rate: float) -> float:
     """Total time the reader waited for a token after the first one."""
-    reads = read_times(token_times, rate)
-    return sum(max(0.0, reads[j] - (reads[j - 1] + 1.0 / rate)) for j in range(1, len(reads)))
+    return sum(stall for _, stall in reads(token_times, rate))
 
 
 def effective_weights(token_times: list[float], rate: float) -> list[float]:
     """TokenFlow §7.1.3: a token generated while the buffer B is <= 10% of the output length weighs
     1, falling linearly to 0 at 20%: a token made long before anyone can read it is worth less."""
-    reads = read_times(token_times, rate)
+    times = read_times(token_times, rate)
     low, high = 0.1 * len(token_times), 0.2 * len(token_times)
-    weights, read = [], 0
+    weights = []
+    read = 0
     for j, t in enumerate(token_times):
-        while read < j and reads[read] <= t:
+        while read < j and times[read] <= t:
             read += 1
         buffer = j - read
         weights.append(1.0 if buffer <= low else max(0.0, (high - buffer) / (high - low)))
@@ -57,9 +60,9 @@ def qoe(arrival: float, token_times: list[float], rate: float,
     """Andes' QoE: 1 - (reading delay past the ideal schedule) / (time from arrival to each read).
     Token i's ideal read time is arrival + ttft_target + (i-1)/r; reading earlier counts as on time.
     """
-    reads = read_times(token_times, rate)
-    late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(reads))
-    total = sum(t - arrival for t in reads)
+    times = read_times(token_times, rate)
+    late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(times))
+    total = sum(t - arrival for t in times)
     return 1.0 - late / total if total > 0 else 1.0
 
 
@@ -105,7 +108,9 @@ class Histogram:
     """A Prometheus histogram: counts per bucket upper bound, a sum and a count."""
 
     def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, buckets
+        self.name = name
+        self.help = help
+        self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self.sum = 0.0
 

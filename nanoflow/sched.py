@@ -1,19 +1,15 @@
-"""Requests and the scheduler: who runs in the next engine step, with how many tokens, and who waits.
+"""Requests and the scheduler: who runs in the next engine step, with how many tokens, who waits.
 
 A request waits, runs (its prompt in chunks, then one token per step), may be preempted, and
-finishes. Each step the scheduler spends a budget of `max_num_batched_tokens`: decodes first (one
-token each, so that running readers never stall behind a long prompt), then the chunks of prompts in
-progress, then waiting requests while KV memory allows.
-
-`Scheduler` is the mechanism (queues, KV blocks, swap, the step's token budget); a policy object
-decides who runs:
+finishes. Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers
+never stall behind a long prompt), then prompt chunks, then waiting requests while memory allows.
+`Scheduler` is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs:
 - `FCFS`, SGLang's default: admit in arrival order while an estimate of the running requests'
-  growth says memory lasts; when a running request cannot grow anyway, retract the one with the
-  least output by recompute (drop its KV, prefill it again later).
-- `TokenFlow`: every request has a reader with a buffer of unread tokens. When someone waits,
-  requests whose buffers cover a few switches are preempted (their KV goes to host memory, swap.py)
-  so that newcomers start at once; each comes back, by load or recompute, whichever is estimated
-  faster, before its reader runs dry. Past the engine's capacity it adds no newcomers.
+  growth says memory lasts; when one cannot grow anyway, retract the one with the least output
+  by recompute (drop its KV, prefill it again later).
+- `TokenFlow`: when someone waits, requests whose readers' buffers cover a few switches are
+  preempted (their KV goes to host memory, swap.py) so that newcomers start at once; each comes
+  back, by load or recompute, before its reader runs dry. Past capacity it adds no newcomers.
 """
 
 from __future__ import annotations
@@ -55,12 +51,13 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    read_rate: float | None = None  # tokens/s this request's reader reads; None = the engine's default
+    read_rate: float | None = None  # tokens/s its reader reads; None = the engine's default
 
     def __post_init__(self):
-        def check(ok: bool, name: str, rule: str):
+        def check(name: str, ok: bool, rule: str):
             if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}")
+                got = getattr(self, name)
+                raise ValueError(f"SamplingParams.{name} must be {rule}, got {got!r}")
 
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -68,37 +65,40 @@ class SamplingParams:
         def is_num(x) -> bool:
             return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
-        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        check(is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        check(is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (off) or an integer >= 1")
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        check("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1")
+        check("temperature", is_num(self.temperature) and self.temperature >= 0, "a number >= 0")
+        check("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]")
+        check("top_k", is_int(self.top_k) and self.top_k >= -1, "-1 or 0 (off) or an integer >= 1")
+        check("min_p", is_num(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            check(is_num(value) and -2 <= value <= 2, name, "a number in [-2, 2]")
-        check(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-              "a number > 0")
-        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+            check(name, is_num(value) and -2 <= value <= 2, "a number in [-2, 2]")
+        penalty = self.repetition_penalty
+        check("repetition_penalty", is_num(penalty) and penalty > 0, "a number > 0")
+        least = self.min_tokens
+        check("min_tokens", is_int(least) and 0 <= least <= self.max_tokens,
               "an integer in [0, max_tokens]")
         top = self.logprobs
-        check(top is None or (is_int(top) and 0 <= top <= MAX_LOGPROBS), "logprobs",
+        check("logprobs", top is None or (is_int(top) and 0 <= top <= MAX_LOGPROBS),
               f"None or an integer in [0, {MAX_LOGPROBS}]")
         self.stop_token_ids = self.stop_token_ids or []
         ids = self.stop_token_ids
-        check(isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids), "stop_token_ids",
+        check("stop_token_ids", isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids),
               "a list of token ids")
         bias = self.logit_bias or {}
-        check(isinstance(bias, dict) and all(str(k).isdigit() and is_num(v) and abs(v) <= 100
-                                             for k, v in bias.items()),
-              "logit_bias", "a map from token id to a number in [-100, 100]")
+        valid = lambda k, v: str(k).isdigit() and is_num(v) and abs(v) <= 100  # noqa: E731
+        check("logit_bias", isinstance(bias, dict) and all(valid(k, v) for k, v in bias.items()),
+              "a map from token id to a number in [-100, 100]")
         self.logit_bias = {int(k): float(v) for k, v in bias.items()}  # JSON keys are strings
-        check(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
+        seed = self.seed
+        check("seed", seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
               "a 64-bit integer or None")
-        check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
-        check(self.read_rate is None or (is_num(self.read_rate) and self.read_rate > 0), "read_rate",
+        check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
+        rate = self.read_rate
+        check("read_rate", rate is None or (is_num(rate) and rate > 0),
               "a number > 0 (tokens/s) or None")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        check(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops), "stop",
+        check("stop", isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
               "a non-empty string or a list of them")
         self.stop = stops
 
@@ -131,8 +131,8 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks of block_table named in the pool's prefix cache
     num_host_tokens: int = 0  # leading tokens whose KV is (or is on its way) in the host pool
     host_block_table: list[int] = field(default_factory=list)
-    load_event: torch.cuda.Event | None = None  # the compute stream waits for it before running this request
-    last_moved: float = float("-inf")  # when it was last preempted or resumed (tokenflow's anti-thrashing)
+    load_event: torch.cuda.Event | None = None  # its load: the compute stream waits for it
+    last_moved: float = float("-inf")  # last preempted or resumed (tokenflow's anti-thrashing)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort"
     output_text: str = ""
@@ -144,9 +144,8 @@ class Request:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        # when the reader runs out of tokens: 1/r after it reads the newest one (docs/scheduling.md). Later
-        # than now if it has a buffer; earlier if it waits for a token already (the earlier, the longer it
-        # has stalled). A request without tokens has been waiting since it arrived.
+        # when the reader runs out of tokens (docs/scheduling.md): 1/r after it reads the newest;
+        # earlier than now if it waits already (the earlier, the longer it has stalled)
         reads = read_times(self.token_times, self.read_rate)
         self.dry_at = reads[-1] + 1.0 / self.read_rate if reads else self.arrival_time
 
@@ -164,12 +163,20 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_new_tokens(self) -> int:  # tokens whose KV is still to compute (1 while decoding)
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_left(self) -> int:  # output tokens it may still generate
+        return self.params.max_tokens - self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -182,9 +189,9 @@ class Request:
 
 @dataclass
 class StepRates:
-    """What the engine has measured, for the estimates the policies need (EMAs of recent steps)."""
+    """What the engine has measured, for the policies' estimates (EMAs of recent steps)."""
 
-    prefill_rate: float = 2000.0  # prompt tokens/s on steps that are mostly prefill (a guess until measured)
+    prefill_rate: float = 2000.0  # prompt tokens/s on mostly-prefill steps (a guess until measured)
     # the decode part of each step (its time less its prompt tokens' share) as moving averages of
     # (batch, seconds, batch^2, batch x seconds): a line through them gives a decode step's time
     decode_moments: tuple[float, float, float, float] = (1.0, 0.05, 1.0, 0.05)
@@ -193,22 +200,22 @@ class StepRates:
 
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         if prefill_tokens > decode_tokens:
-            self.prefill_rate = self._average("prefill", self.prefill_rate, prefill_tokens / seconds)
+            self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
         decoding = seconds - prefill_tokens / self.prefill_rate
         if decode_tokens and decoding > 0:
             b = decode_tokens
-            self.decode_moments = self._average("decode", self.decode_moments, (b, decoding, b * b, b * decoding))
+            moments = (b, decoding, b * b, b * decoding)
+            self.decode_moments = self._ema("decode", self.decode_moments, moments)
 
     def decode_time(self, batch: float) -> float:
-        """Seconds of a decode step of this many requests: the least-squares line through recent steps
-        (their mean time while their batch sizes hardly differ)."""
+        """Seconds of a decode step of `batch` requests: a least-squares line over recent steps."""
         b, t, bb, bt = self.decode_moments
         spread = bb - b * b
         slope = max(0.0, (bt - b * t) / spread) if spread > 1.0 else 0.0
         return max(t / 10, t + slope * (batch - b))
 
-    def _average(self, key: str, old, new):
-        """The first measurement replaces the guess; later ones move the average (tuples element-wise)."""
+    def _ema(self, key: str, old, new):
+        """The first measurement replaces the guess; later ones move the average."""
         self.seen[key] += 1
         if self.seen[key] == 1:
             return new
@@ -218,24 +225,24 @@ class StepRates:
 
 
 class Scheduler:
-    """The shared mechanism: queues, KV blocks, swap, and the token budget of each step.
-
-    Each step: the policy may preempt; running requests get their tokens (decodes first, then prompt
-    chunks), preempting the policy's victim when the pool cannot grow; then, if nobody had to be
-    preempted for memory, the policy admits waiting requests with what is left.
-    """
+    """Queues, KV blocks, swap and the step's budget. Each step the policy may preempt; running
+    requests get their tokens, preempting the policy's victim when the pool cannot grow; then,
+    unless someone was preempted for memory, the policy admits waiting requests."""
 
     def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
                  policy: str | Policy = "tokenflow", swapper: Swapper | None = None,
                  config: TokenFlowConfig | None = None, enable_prefix_caching: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.kv, self.swapper, self.clock = kv, swapper, clock
+        self.kv = kv
+        self.swapper = swapper
+        self.clock = clock
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = make_policy(policy, config) if isinstance(policy, str) else policy
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.rates = StepRates()
-        self.waiting: deque[Request] = deque()  # preempted requests first, then newcomers in arrival order
+        self.waiting: deque[Request] = deque()  # the preempted first, then newcomers by arrival
         self.running: list[Request] = []  # in admission order
         self.counters: Counter[str] = Counter()
         self.last_arrival = float("-inf")
@@ -255,23 +262,24 @@ class Scheduler:
         for req in self.policy.preemptions(self, now):
             self.preempt(req)
         scheduled, budget, short = self._schedule_running(now)
-        if self.waiting and not short:  # a pool too short for the running requests has no room for anyone new
+        # a pool too short for the running requests has no room for anyone new
+        if self.waiting and not short:
             self.policy.admit(self, scheduled, budget, now)
-        items = list(scheduled.items())
-        return [item for item in items if item[1] == 1] + [item for item in items if item[1] > 1]
+        # a request started without room for a token waits for the next step
+        return sorted(((r, n) for r, n in scheduled.items() if n > 0), key=lambda item: item[1] > 1)
 
     def _schedule_running(self, now: float) -> tuple[dict[Request, int], int, bool]:
-        """Tokens for the running requests, decodes first; victims preempted when the pool runs out."""
-        budget, short, scheduled = self.policy.token_budget(self, now), False, {}
-        decodes, chunks = [], []
-        for r in self.running:
-            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else chunks).append(r)
-        for req in decodes + chunks:
+        """Tokens for the running requests; the budget left; whether memory ran short."""
+        budget = self.policy.token_budget(self, now)
+        short = False
+        scheduled = {}
+        for req in sorted(self.running, key=lambda r: r.num_new_tokens != 1):
             if budget == 0 or req.status != RequestStatus.RUNNING or not loaded(req):
-                continue  # out of budget, preempted for an older one, or its KV is still on its way
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+                continue  # out of budget, preempted for an older one, or its KV is on its way
+            n = min(req.num_new_tokens, budget)
             while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
-                if self.kv.pending_free:  # evicted blocks come back once their copies are done: wait, don't evict more
+                if self.kv.pending_free:
+                    # evicted blocks come back once their copies are done: wait, don't evict more
                     self.swapper.complete_all()
                     continue
                 victim = self.policy.victim(self, now)
@@ -290,9 +298,13 @@ class Scheduler:
         """Estimated seconds of the next decode step of the running requests."""
         return self.rates.decode_time(len(self.running))
 
+    def full(self, budget: int) -> bool:
+        """No token budget left this step, or no seat for another request."""
+        return budget == 0 or len(self.running) >= self.max_num_seqs
+
     def start(self, req: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
-        """Move a waiting request to running (loading its KV if the policy says so) and schedule its first
-        tokens, unless its load is still on the way; returns the budget left."""
+        """Move req to running (its KV loaded if the policy says so) and schedule its first tokens
+        unless its load is on the way; returns the budget left."""
         if req.status == RequestStatus.PREEMPTED:
             self._resume(req)
         if not req.block_table and self.enable_prefix_caching:
@@ -302,23 +314,27 @@ class Scheduler:
         self.running.append(req)
         if not loaded(req):
             return budget
-        room = (len(req.block_table) + self.kv.num_free) * self.kv.block_size - req.num_computed_tokens
-        n = min(req.num_tokens - req.num_computed_tokens, budget, room)
+        room = (len(req.block_table) + self.kv.num_free) * self.kv.block_size
+        n = min(req.num_new_tokens, budget, room - req.num_computed_tokens)
         self.kv.grow(req.block_table, req.num_computed_tokens + n)
         scheduled[req] = n
         return budget - n
 
     def blocks_to_start(self, req: Request) -> int:
-        """Device blocks req needs before its first step back: its loaded KV, or its first token to compute."""
+        """Device blocks req needs to start: its loaded KV, or its next token to compute."""
         start = req.num_host_tokens if self.resumes_by_load(req) else req.num_computed_tokens
         return self.kv.blocks_needed(req.block_table, start + 1)
+
+    def blocks_to_decode(self, req: Request) -> int:
+        """Device blocks req needs for all its tokens and the next."""
+        return self.kv.blocks_needed(req.block_table, req.num_tokens + 1)
 
     def resumes_by_load(self, req: Request) -> bool:
         return (req.status == RequestStatus.PREEMPTED and req.num_host_tokens > 0
                 and self.policy.resume_by_load(self, req))
 
     def _resume(self, req: Request) -> None:
-        """Bring back a preempted request's KV by load, or leave it to be recomputed from its tokens."""
+        """Bring back a preempted request's KV by load, or leave it to be recomputed."""
         if self.resumes_by_load(req):
             self.swapper.load(req)
             self.counters["resumes_load"] += 1
@@ -328,26 +344,24 @@ class Scheduler:
         self.counters["resumes_recompute"] += 1
 
     def _match_prefix(self, req: Request) -> None:
-        """Start req after the longest run of its full blocks cached on the device, then on host
-        (loaded when the copy is estimated faster than recomputing it); its last token is always
-        computed, for the logits."""
+        """Start req after its longest cached run of full blocks, on the device then on host (if
+        loading beats recomputing); its last token is always computed, for the logits."""
         bs = self.kv.block_size
         hashes = self.hashes(req, (req.num_tokens - 1) // bs)
         blocks = self.kv.match_prefix(hashes)
-        req.block_table, req.num_cached_blocks = blocks, len(blocks)
+        req.block_table = blocks
+        req.num_cached_blocks = len(blocks)
         req.num_computed_tokens = len(blocks) * bs
         self.counters["prefix_queried_tokens"] += req.num_tokens
         self.counters["prefix_hit_tokens"] += req.num_computed_tokens
         if self.swapper:
-            rest = hashes[len(blocks):]
-            loaded_blocks = self.swapper.load_prefix(req, rest, self.load_beats_recompute)
-            self.counters["prefix_host_hit_tokens"] += loaded_blocks * bs
+            n = self.swapper.load_prefix(req, hashes[len(blocks):], self.load_beats_recompute)
+            self.counters["prefix_host_hit_tokens"] += n * bs
 
     def load_beats_recompute(self, num_tokens: int) -> bool:
-        """Is copying this much KV from host (behind the queued copies) estimated faster than
-        recomputing it?"""
-        load = self.swapper.transfer_time(cdiv(num_tokens, self.kv.block_size))
-        return self.swapper.backlog() + load <= num_tokens / self.rates.prefill_rate
+        """Would copying this much KV from host (behind queued copies) beat recomputing it?"""
+        load = self.swapper.copy_done_in(cdiv(num_tokens, self.kv.block_size))
+        return load <= num_tokens / self.rates.prefill_rate
 
     def hashes(self, req: Request, num_blocks: int) -> list[int]:
         """The chained hashes of req's first num_blocks full blocks (computed once per block)."""
@@ -359,25 +373,28 @@ class Scheduler:
 
     def _cache_full_blocks(self, req: Request) -> None:
         """Name the blocks req has filled since the last step: later prompts can share them."""
-        full = min(req.num_computed_tokens // self.kv.block_size, len(req.block_table))
+        full = self.kv.num_full(req.block_table, req.num_computed_tokens)
         if full > req.num_cached_blocks:
             start = req.num_cached_blocks
             self.kv.cache_blocks(req.block_table[start:full], self.hashes(req, full)[start:])
             req.num_cached_blocks = full
 
-    def _drop_kv(self, req: Request) -> None:
-        """Give back req's references in both pools: blocks shared with others stay theirs."""
+    def _release(self, req: Request, to_host: bool) -> None:
+        """Dequeue req and free its device blocks: evicted to host (if to_host and there is room)
+        or dropped from both pools (blocks shared with others stay theirs)."""
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        if to_host and self.swapper and self.swapper.evict(req):
+            return
         if self.swapper:
             self.swapper.release(req)
         else:
             self.kv.free(req.block_table)
 
     def preempt(self, req: Request) -> None:
-        """Take req off the device: evict its KV to host if the policy keeps it there, else drop it."""
-        self.running.remove(req)
-        if not (self.policy.evicts_to_host and self.swapper and self.swapper.evict(req)):
-            self._drop_kv(req)
-        req.num_computed_tokens = req.num_cached_blocks = 0
+        """Take req off the device: its KV evicted to host if the policy says so, else dropped."""
+        self._release(req, to_host=self.policy.evicts_to_host)
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
         req.num_preemptions += 1
         self.counters["preemptions"] += 1
         req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
@@ -385,26 +402,22 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """Take a request out of the queues for good and give back its blocks in both pools."""
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status != RequestStatus.FINISHED:
-            self.waiting.remove(req)
-        self._drop_kv(req)
+        if req.status != RequestStatus.FINISHED:
+            self._release(req, to_host=False)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     def after_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Learn from the step just run; the policy may copy freshly filled blocks to host."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
         if self.enable_prefix_caching:
-            for req in filter(loaded, self.running):  # blocks still being loaded are not shared yet
+            for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
-        if self.enable_prefix_caching and self.swapper and self.swapper.async_copies and \
-                self.swapper.backlog() < seconds:
-            # the host pool is the cache's second tier: while the link would idle within a step
-            # after the policy's own copies, fill it with what the link carries in a step
-            link_blocks = int(seconds * self.swapper.bandwidth / self.kv.bytes_per_block)
-            self.swapper.write_through(self.running, max(1, link_blocks))
+        # the host pool is the cache's second tier: while the link would idle within a step after
+        # the policy's own copies, fill it with what the link carries in a step
+        idle_link = self.swapper and self.swapper.async_copies and self.swapper.backlog() < seconds
+        if self.enable_prefix_caching and idle_link:
+            self.swapper.write_through(self.running, self.swapper.blocks_in(seconds))
 
 
 def loaded(req: Request) -> bool:
@@ -417,19 +430,19 @@ def loaded(req: Request) -> bool:
 
 @dataclass
 class FCFSConfig:
-    """SGLang's admission estimate (its `new_token_ratio`): how much of a running request's remaining
-    max_tokens to keep free for it. Optimistic and decaying; a retraction resets it from what really ran."""
+    """SGLang's admission estimate (`new_token_ratio`: the share of a request's remaining
+    max_tokens kept free for it): optimistic, decaying, reset from what ran by a retraction."""
 
     init_new_token_ratio: float = 0.7  # SGLang's default start
     min_new_token_ratio: float = 0.1  # ...and its floor (SGLang: 0.14 of the start)
     decay_steps: int = 600  # steps to decay from start to floor (SGLang's default)
-    retract_decode_steps: int = 20  # a retraction keeps room for this many more tokens of every survivor
-    clip_max_new_tokens: int = 4096  # estimates count at most this many of a request's max_tokens (SGLang's)
+    retract_decode_steps: int = 20  # a retraction keeps room for this many more tokens of each
+    clip_max_new_tokens: int = 4096  # estimates count at most this many of max_tokens (SGLang's)
 
 
 class FCFS:
-    """The baseline (SGLang's default): admit in arrival order while the estimate says memory lasts;
-    when a running request cannot grow, retract the one with the least output by recompute."""
+    """The baseline (SGLang's default): admit in arrival order while the estimate says memory
+    lasts; when the pool runs out, retract the one with the least output by recompute."""
 
     evicts_to_host = False
 
@@ -444,18 +457,20 @@ class FCFS:
         return s.max_num_batched_tokens
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
-        """Waiting requests in queue order while the estimate says memory lasts; the first that does not
-        fit stops the rest."""
+        """Waiting requests in order while the estimate says memory lasts (a misfit stops it)."""
         reserved = None  # summed over the running requests only when someone might fit
-        seats = s.max_num_seqs - len(s.running)
-        for req in list(itertools.islice(self.admission_queue(s, now), max(0, seats))):  # a copy: start() edits s.waiting
-            if budget == 0 or len(s.running) >= s.max_num_seqs:
+        seats = max(0, s.max_num_seqs - len(s.running))
+        queue = list(itertools.islice(self.admission_queue(s, now), seats))  # start() edits it
+        for req in queue:
+            if s.full(budget):
                 return
             need = self.future_tokens(s, req)
-            if need > s.kv.num_free * s.kv.block_size:
+            free = s.kv.num_free * s.kv.block_size
+            if need > free:
                 return
-            reserved = sum(self.future_tokens(s, r) for r in s.running) if reserved is None else reserved
-            if need > s.kv.num_free * s.kv.block_size - reserved:
+            if reserved is None:
+                reserved = sum(self.future_tokens(s, r) for r in s.running)
+            if need > free - reserved:
                 return
             budget = s.start(req, scheduled, budget, now)
             reserved += self.future_tokens(s, req)  # less what it holds now
@@ -464,47 +479,49 @@ class FCFS:
         return iter(s.waiting)
 
     def future_tokens(self, s: Scheduler, req: Request) -> int:
-        """Tokens of KV the estimate keeps free for req: the rest of its known tokens, and a share of
-        the output it may still generate."""
-        left = min(req.params.max_tokens - req.num_output_tokens, self.fcfs.clip_max_new_tokens)
-        return s.kv.blocks_needed(req.block_table, req.num_tokens + 1) * s.kv.block_size + int(left * self.new_token_ratio)
+        """KV tokens kept free for req: its known tokens, a share of the output it may add."""
+        left = min(req.num_tokens_left, self.fcfs.clip_max_new_tokens)
+        return s.blocks_to_decode(req) * s.kv.block_size + int(left * self.new_token_ratio)
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """SGLang's retraction order: the least output, then the longest prompt (the cheapest to redo)."""
+        """SGLang's order: the least output, then the longest prompt (the cheapest to redo)."""
         return min(s.running, key=lambda r: (r.num_output_tokens, -len(r.prompt_token_ids)))
 
     def retracted(self, s: Scheduler) -> None:
-        """Memory ran out: the estimate was too optimistic; restart it from what the survivors need."""
+        """Memory ran out: the estimate was too kind; restart it from what the survivors need."""
         decoded = sum(r.num_output_tokens for r in s.running)
         wanted = sum(r.params.max_tokens for r in s.running)
         if wanted:
-            self.new_token_ratio = min(1.0, (decoded + self.fcfs.retract_decode_steps * len(s.running)) / wanted)
+            kept = decoded + self.fcfs.retract_decode_steps * len(s.running)
+            self.new_token_ratio = min(1.0, kept / wanted)
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
         return False
 
     def after_step(self, s: Scheduler) -> None:
-        step = (self.fcfs.init_new_token_ratio - self.fcfs.min_new_token_ratio) / self.fcfs.decay_steps
-        self.new_token_ratio = max(self.new_token_ratio - step, self.fcfs.min_new_token_ratio)
+        fcfs = self.fcfs
+        step = (fcfs.init_new_token_ratio - fcfs.min_new_token_ratio) / fcfs.decay_steps
+        self.new_token_ratio = max(self.new_token_ratio - step, fcfs.min_new_token_ratio)
 
 
 @dataclass
 class TokenFlowConfig:
-    """TokenFlow's constants (docs/scheduling.md); each appears in --help of the server and the bench."""
+    """TokenFlow's constants (docs/scheduling.md), in --help of the server and the bench."""
 
     interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s)
-    mu: float = 2.0  # safety factor: a buffer must cover mu switches (and an interval) before its request is preempted
-    capacity_share: float = 0.8  # readers may ask for this share of the measured tokens/s: switching costs the rest
-    hysteresis: float = 0.1  # running requests look 10% more urgent than they are (Andes' bonus), so pairs don't swap
-    write_through_below: float = 0.2  # write through once free device KV falls below this share (or someone waits)
+    mu: float = 2.0  # a buffer must cover mu switches (and an interval) to be preempted
+    capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
+    hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
+    write_through_below: float = 0.2  # share of free device KV under which to write through
 
     @classmethod
     def parse(cls, text: str) -> "TokenFlowConfig":
         """From "interval=1.5,mu=2" (the --tokenflow option of the server and the bench)."""
         fields = dict(kv.split("=", 1) for kv in text.split(",") if kv)
-        unknown = fields.keys() - cls.__dataclass_fields__.keys()
+        known = list(cls.__dataclass_fields__)
+        unknown = fields.keys() - set(known)
         if unknown:
-            raise ValueError(f"unknown TokenFlow constant(s) {sorted(unknown)}; known: {list(cls.__dataclass_fields__)}")
+            raise ValueError(f"unknown TokenFlow constant(s) {sorted(unknown)}; known: {known}")
         return cls(**{k: float(v) for k, v in fields.items()})
 
     @classmethod
@@ -512,22 +529,17 @@ class TokenFlowConfig:
         return ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
 
 
-ARRIVAL_REBALANCE_SHARE = 0.1  # an arrival brings the next rebalance forward, to no sooner than this share of
-# an interval after the last: at 20 arrivals/s a rebalance per arrival would cost more than it decides
+# an arrival brings the next rebalance forward, to no sooner than this share of an interval after
+# the last: at 20 arrivals/s a rebalance per arrival would cost more than it decides
+ARRIVAL_REBALANCE_SHARE = 0.1
 
 
 class TokenFlow(FCFS):
-    """Buffer-aware preemption on top of the baseline.
-
-    Every interval, or when someone new arrives, it ranks the requests by urgency (readers about to run
-    dry, then newcomers, then the rest by when their readers run dry) and keeps the most urgent whose
-    KV fits on the device. Running requests outside that keep-set are preempted, their KV evicted to
-    host, when their readers can read through the switches, and only as many as the members that
-    cannot wait need; those are admitted first, the baseline's queue after them. Newcomers join only
-    while the readers' total rate stays within the engine's capacity; past it, the started requests
-    share the device among themselves. Each step's prompt chunks are cut so that no running reader
-    runs dry while the step computes.
-    """
+    """Buffer-aware preemption on top of the baseline. Every interval, or on an arrival, it keeps
+    the most urgent requests whose KV fits (`urgency`); running ones outside that keep-set whose
+    readers can read through the switches are evicted to host, as many as the members that cannot
+    wait need, and those start first. Newcomers join only within the engine's capacity. Prompt
+    chunks are cut so that no running reader runs dry while a step computes."""
 
     evicts_to_host = True
 
@@ -536,15 +548,16 @@ class TokenFlow(FCFS):
         self.config = config or TokenFlowConfig()
         self.last_rebalance = float("-inf")
         self.keep: set[Request] = set()
-        self.joining: list[Request] = []  # the keep-set's waiting members at the last rebalance, most urgent first
-        self.overloaded = False  # the started readers alone ask for more tokens/s than the engine makes
+        self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
+        self.overloaded = False  # the started readers alone ask for more than the engine makes
 
     # ------------------------------------------------------------ when and whom to preempt
 
     def preemptions(self, s: Scheduler, now: float) -> list[Request]:
         """The running requests that leave the device now to make room for more urgent ones."""
         since = now - self.last_rebalance
-        arrived = s.last_arrival > self.last_rebalance and since >= self.config.interval * ARRIVAL_REBALANCE_SHARE
+        soon = since >= self.config.interval * ARRIVAL_REBALANCE_SHARE
+        arrived = s.last_arrival > self.last_rebalance and soon
         if not s.waiting or not (since >= self.config.interval or arrived):
             return []
         self.last_rebalance = now
@@ -558,58 +571,59 @@ class TokenFlow(FCFS):
         self.joining = sorted((r for r in s.waiting if r in self.keep), key=urgency.get)
         return self.victims(s, now, urgency)
 
-    def victims(self, s: Scheduler, now: float, urgency: dict[Request, tuple[int, float]]) -> list[Request]:
-        """Running requests outside the keep-set, least urgent first, until the waiting members that cannot
-        wait (newcomers, and readers about to run dry) have the blocks for their tokens and the seats
-        they need, or until the copies (out, and back later) would keep the host link busy past the next
-        rebalance: switching must not outrun the link. A reader with time to spare waits for room."""
+    def victims(self, s: Scheduler, now: float,
+                urgency: dict[Request, tuple[int, float]]) -> list[Request]:
+        """Running requests outside the keep-set, least urgent first, until the members that cannot
+        wait (newcomers, readers about to run dry) have blocks and seats, or until the copies (out
+        and back) would busy the link past the next rebalance: switching must not outrun it."""
         joining = [r for r in self.joining if urgency[r][0] < 2]
-        blocks = sum(s.kv.blocks_needed(r.block_table, r.num_tokens + 1) for r in joining) - s.kv.num_free
-        blocks += self.growth_blocks(s, itertools.chain(s.running, joining))  # and room to grow (blocks_to_admit)
+        blocks = sum(s.blocks_to_decode(r) for r in joining) - s.kv.num_free
+        blocks += self.growth_blocks(s, itertools.chain(s.running, joining))
         seats = len(joining) - (s.max_num_seqs - len(s.running))
         link = self.config.interval - (s.swapper.backlog() if s.swapper else 0.0)
         out = []
-        for r in sorted((r for r in s.running if r not in self.keep), key=urgency.get, reverse=True):
+        others = (r for r in s.running if r not in self.keep)
+        for r in sorted(others, key=urgency.get, reverse=True):
             if (blocks <= 0 and seats <= 0) or link <= 0:
                 break
             if self.preemptable(s, r, now):
                 out.append(r)
-                blocks, seats = blocks - s.kv.num_own(r.block_table), seats - 1
+                blocks -= s.kv.num_own(r.block_table)
+                seats -= 1
                 link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
         return out
 
     def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
-        """How many requests the device pool holds at their mean size over the rest of their lives (half
-        way between now and max_tokens), so that capacity is not promised on memory that growth takes back."""
+        """Requests the device holds at their mean size over the rest of their lives: capacity
+        must not be promised on memory that growth takes back."""
         if not started:
             return float(s.max_num_seqs)
         clip = self.fcfs.clip_max_new_tokens
-        size = sum(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, clip) / 2 for r in started)
+        size = sum(r.num_tokens + min(r.num_tokens_left, clip) / 2 for r in started)
         return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
 
     def working_set(self, s: Scheduler, started: list[Request], capacity: float,
                     urgency: dict[Request, tuple[int, float]]) -> list[Request]:
-        """The started requests, and the newcomers (in arrival order) that the capacity left over by the
-        readers and the prefill rate over one interval leave room for; none past capacity, or while a
-        paused reader is about to run dry (the estimates were too kind)."""
+        """The started requests, and newcomers while capacity and an interval's prefill last."""
         demand = sum(r.read_rate for r in started)
-        prefill = s.rates.prefill_rate * self.config.interval  # prompt tokens that can start within the interval
+        prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
         if self.overloaded or any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            return members  # the readers already in need every token, or a paused one is about to run dry
+            # the readers need every token, or a paused one runs dry (the estimates were kind)
+            return members
         for r in s.waiting:
             if r.started:
                 continue
-            demand, prefill = demand + r.read_rate, prefill - (r.num_tokens - r.num_computed_tokens)
+            demand += r.read_rate
+            prefill -= r.num_new_tokens
             if demand > capacity or prefill < 0:
                 break
             members.append(r)
         return members
 
     def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
-        """Sort key, most urgent first: readers that run dry before they could be brought back (the longest
-        stalled first), then newcomers by arrival, then the rest by when their readers run dry. Running
-        requests look `hysteresis` more urgent than they are, so that two requests do not swap places."""
+        """Sort key, most urgent first: readers that run dry before they could be back (the longest
+        stalled first), newcomers by arrival, the rest by when they run dry."""
         if not req.started:
             return 1, req.arrival_time
         slack = req.dry_at - now
@@ -618,16 +632,16 @@ class TokenFlow(FCFS):
         return (0 if slack < self.lead(self.switch_time(s, req)) else 2), now + slack
 
     def lead(self, switch: float) -> float:
-        """How long before its reader runs dry a request must be back on the device: one switch, and one
-        interval, since the next rebalance may come that late."""
+        """How long before running dry a request must be back: a switch and an interval."""
         return switch + self.config.interval
 
     def greedy_fill(self, s: Scheduler, by_urgency: list[Request]) -> set[Request]:
-        """The most urgent requests whose KV, and its growth until the next rebalance, fits on the device."""
+        """The most urgent requests whose KV, grown until the next rebalance, fits on the device."""
         growth = self.growth(s)
-        room, keep = s.kv.num_blocks, set()
+        room = s.kv.num_blocks
+        keep = set()
         for r in by_urgency[:s.max_num_seqs]:
-            need = cdiv(r.num_tokens + min(r.params.max_tokens - r.num_output_tokens, growth), s.kv.block_size)
+            need = cdiv(r.num_tokens + min(r.num_tokens_left, growth), s.kv.block_size)
             if need > room:
                 break
             keep.add(r)
@@ -639,29 +653,28 @@ class TokenFlow(FCFS):
         return self.config.interval / s.step_time()
 
     def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
-        """Its reader can stay off the device for mu - 1 switches before it has to come back (`lead`):
-        mu switches in all, counting the one that brings it back. And it has not moved within the last
-        interval, and it would not finish within the interval anyway."""
-        left = req.params.max_tokens - req.num_output_tokens
-        if not req.started or now - req.last_moved < self.config.interval or \
-                left * s.step_time() <= self.config.interval:
+        """Its reader can stay off for mu - 1 switches before it must be back (`lead`), it has not
+        moved within an interval, and it would not finish within one anyway."""
+        settled = req.started and now - req.last_moved >= self.config.interval
+        if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:
             return False
         switch = self.switch_time(s, req)
         return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch
 
     def switch_time(self, s: Scheduler, req: Request) -> float:
-        """Estimated seconds to take req off the device (unless it is off already) and bring it back by
-        load or recompute, whichever is faster, plus one reschedule interval and one step."""
-        bs, recompute, io = s.kv.block_size, req.num_tokens / s.rates.prefill_rate, float("inf")
-        on_device, on_host = cdiv(req.num_computed_tokens, bs), cdiv(req.num_host_tokens, bs)
+        """Seconds to take req off the device (if on it) and back, plus an interval and a step."""
+        bs = s.kv.block_size
+        on_device = cdiv(req.num_computed_tokens, bs)
         unsynced = max(0, on_device - req.num_host_tokens // bs)
-        if s.swapper and max(on_device, on_host) and unsynced <= s.swapper.host.num_free:  # else: recompute
-            io = s.swapper.backlog() + s.swapper.transfer_time(unsynced + max(on_device, on_host))
-        return min(io, recompute) + self.config.interval + s.step_time()
+        blocks = max(on_device, cdiv(req.num_host_tokens, bs))
+        switch = req.num_tokens / s.rates.prefill_rate  # by recompute
+        if s.swapper and blocks and unsynced <= s.swapper.host.num_free:
+            switch = min(s.swapper.copy_done_in(unsynced + blocks), switch)
+        return switch + self.config.interval + s.step_time()
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """Whom to preempt when the pool runs out: one whose reader can wait through a switch; else one
-        without a reader yet (the newest); else the reader with the most time left."""
+        """A reader that can wait through a switch, else the newest newcomer, else the most
+        buffered reader."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
         if can_wait:
             return max(can_wait, key=lambda r: r.dry_at)
@@ -669,22 +682,22 @@ class TokenFlow(FCFS):
         return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
-        """Tokens this step may carry: one per running request, and prompt tokens only as many as fit, with
-        the decode, in 1/mu of the time the least-buffered reader has left (the estimates are rough). A
-        reader that waits already is not helped by this; past capacity, the baseline's budget."""
-        if self.overloaded or (not s.waiting and all(r.num_tokens - r.num_computed_tokens <= 1 for r in s.running)):
-            return s.max_num_batched_tokens  # readers stall anyway, or decodes only: nothing to limit
-        readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]  # may resume now
-        slack = min((dry for r in readers if (dry := r.dry_at) > now), default=float("inf")) - now
+        """A token per running request, and prompt tokens while no reader runs dry meanwhile."""
+        decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
+        if self.overloaded or decodes_only:
+            return s.max_num_batched_tokens  # readers stall anyway, or nothing to limit
+        # the running readers, and the paused members that may resume now
+        readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]
+        slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
 
     # ------------------------------------------------------------ admission and resumption
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
-        """The keep-set's waiting members first, most urgent first; the baseline's admission once none wait."""
-        for req in [r for r in self.joining if r.status in WAITING_STATES]:  # the rebalance made room for them
-            if budget == 0 or len(s.running) >= s.max_num_seqs or self.blocks_to_admit(s, req) > s.kv.num_free:
+        """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
+        for req in [r for r in self.joining if r.status in WAITING_STATES]:
+            if s.full(budget) or self.blocks_to_admit(s, req) > s.kv.num_free:
                 return  # while a member waits for memory, nobody outside the keep-set may take it
             budget = s.start(req, scheduled, budget, now)
         super().admit(s, scheduled, budget, now)
@@ -694,39 +707,36 @@ class TokenFlow(FCFS):
         return s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
 
     def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
-        """Device blocks to keep free for what these requests add until the next rebalance (none past its
-        max_tokens), once the host pool could not take everything on the device. Starting into a full
-        pool pushes another request out at once; while host memory is plenty that costs a copy, but such
-        swaps feed each other until the host pool is full, and then every push-out is a recompute."""
+        """Blocks to keep free for what reqs add until the next rebalance, once the host pool could
+        not take the device's contents: starting into a full pool pushes someone out, and such
+        swaps feed each other until the host pool is full and each push-out is a recompute."""
         if not s.swapper or s.swapper.host.num_free >= s.kv.num_used:
             return 0
         growth = self.growth(s)
-        return cdiv(int(sum(min(r.params.max_tokens - r.num_output_tokens, growth) for r in reqs)), s.kv.block_size)
+        tokens = sum(min(r.num_tokens_left, growth) for r in reqs)
+        return cdiv(int(tokens), s.kv.block_size)
 
     def admission_queue(self, s: Scheduler, now: float) -> Iterable[Request]:
-        """The baseline's queue, less those preempted within the last interval: what rebalancing took
-        off the device stays off until the next rebalance says otherwise."""
-        return (r for r in s.waiting if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval)
+        """The baseline's queue less those preempted within an interval (until a rebalance)."""
+        return (r for r in s.waiting
+                if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval)
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
         """Load when the copy (behind the queued ones) is estimated faster than recomputing."""
         return s.load_beats_recompute(req.num_host_tokens)
 
     def after_step(self, s: Scheduler) -> None:
-        """Write newly filled blocks through to host, largest buffers first, while a preemption may come."""
+        """Write filled blocks to host, largest buffers first, while a preemption may come."""
         super().after_step(s)
         if s.swapper and self.under_pressure(s):
-            now = s.clock()
             by_buffer = sorted(s.running, key=lambda r: -r.dry_at)
-            max_blocks = int(s.step_time() * s.swapper.bandwidth / s.kv.bytes_per_block)
-            s.swapper.write_through(by_buffer, max(1, max_blocks))
+            s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))
 
     def under_pressure(self, s: Scheduler) -> bool:
-        """Could a preemption come soon? Then write-through pays: someone waits, or (when copies run beside
-        compute) the device pool is nearly full. Synchronous copies (CPU) steal compute, so only the former."""
-        if s.waiting:
-            return True
-        return s.swapper.async_copies and s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
+        """May a preemption come (write-through pays)? Someone waits, or the pool is nearly full
+        and copies run beside compute (on CPU they steal it)."""
+        nearly_full = s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
+        return bool(s.waiting) or (s.swapper.async_copies and nearly_full)
 
 
 POLICIES = {"tokenflow": TokenFlow, "fcfs": FCFS}

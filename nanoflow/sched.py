@@ -403,6 +403,9 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         """Take a request out of the queues for good and give back its blocks in both pools."""
         if req.status != RequestStatus.FINISHED:
+            if self.enable_prefix_caching and req.status == RequestStatus.RUNNING and loaded(req):
+                # the blocks filled in its last step: after_step would not see it again
+                self._cache_full_blocks(req)
             self._release(req, to_host=False)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 

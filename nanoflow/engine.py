@@ -1,10 +1,9 @@
 """The engine step loop and the public Python API (`LLM`), in vLLM's shape.
 
-One `Engine.step()` is: schedule (sched.py picks requests and token counts), run (build the flat
-batch with kv.py, one model forward), sample (the last new token of each request that reached the
-end of its known tokens), postprocess (append, detokenize, check stop conditions, free finished
-requests' blocks). `LLM.generate` drives steps until every request is done; the server drives the
-same steps from its own thread.
+One `Engine.step()`: schedule (sched.py picks requests and token counts), run (kv.py's flat batch,
+one model forward), sample (a token for each request at the end of its known tokens), postprocess
+(append, detokenize, check stops, free finished requests' blocks). `LLM.generate` and the server
+drive the steps.
 """
 
 import argparse
@@ -51,37 +50,27 @@ def knob(default, help: str, **flag):
 
 @dataclass
 class EngineConfig:
-    """The engine's knobs and their defaults, in one place: `LLM(**fields)`, and the flags of
-    serve.py and bench.py (`add_flags`)."""
+    """The engine's knobs: `LLM(**fields)`, and the flags of serve.py and bench.py (`add_flags`)."""
 
     device: str | None = knob(None, "cuda, cuda:1 or cpu (default: cuda when available)")
-    dtype: str | torch.dtype = knob(
-        "auto", "float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU (else "
-        "bfloat16), nanoflow.model.CPU_DTYPE on CPU")
+    dtype: str | torch.dtype = knob("auto", "float32, bfloat16, float16 or auto: the checkpoint's "
+                                    "16-bit one (or bf16) on GPU, nanoflow.model.CPU_DTYPE on CPU")
     block_size: int = knob(16, "tokens per KV block", type=int)
-    num_kv_blocks: int | None = knob(
-        None, "KV blocks in device memory (default: what free memory holds)", type=int)
-    policy: str | Policy = knob("tokenflow", "scheduling policy (fcfs is the vLLM/SGLang "
-                                "baseline)", choices=list(POLICIES))
+    num_kv_blocks: int | None = knob(None, "KV blocks (default: what free memory holds)", type=int)
+    policy: str | Policy = knob("tokenflow", "fcfs: vLLM's and SGLang's", choices=list(POLICIES))
     max_num_seqs: int = knob(256, "requests in one step at most", type=int)
     max_num_batched_tokens: int = knob(2048, "tokens per step at most", type=int)
-    host_kv_gb: float = knob(4.0, "host memory for KV swapped out of the device, in GB",
-                             type=float)
-    read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s a request's reader reads when the "
-                            "request declares no read_rate", type=float)
+    host_kv_gb: float = knob(4.0, "host memory for KV swapped out of the device (GB)", type=float)
+    read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s of a reader who declares none", type=float)
     tokenflow: TokenFlowConfig | None = knob(
         None, f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
         type=TokenFlowConfig.parse, metavar="KEY=VALUE,...")
-    max_model_len: int | None = knob(
-        None, "longest prompt + output in tokens (default: the model's context, lowered to what "
-        "the KV pool holds)", type=int)
+    max_model_len: int | None = knob(None, "longest prompt + output in tokens (default: the "
+                                     "model's context, at most what the KV pool holds)", type=int)
     # vLLM's default; the rest of the device is for activations
-    gpu_memory_utilization: float = knob(0.9, "share of the GPU for weights + KV cache",
-                                         type=float)
-    enforce_eager: bool = knob(False, "no CUDA graphs: every step runs eagerly (on a CPU it "
-                               "always does)", action="store_true")
-    tensor_parallel_size: int = knob(1, "ranks (processes, one GPU each) that split every "
-                                     "layer's heads and weights", type=int)
+    gpu_memory_utilization: float = knob(0.9, "GPU share for weights + KV cache", type=float)
+    enforce_eager: bool = knob(False, "no CUDA graphs (a CPU never has them)", action="store_true")
+    tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)
     enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
                                        action=argparse.BooleanOptionalAction)
 
@@ -133,8 +122,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Queue a request that `check_prompt` passed: LLM and the server check each request
-        once, at their door."""
+        """Queue a request that `check_prompt` passed (LLM and the server check at their door)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         rate = clamp_read_rate(params.read_rate or self.read_rate)
@@ -157,8 +145,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context is "
-                             f"{self.max_model_len} tokens (max_model_len) and generation needs at "
-                             "least one more")
+                             f"{self.max_model_len} (max_model_len): generation needs one more")
         if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
             raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
 
@@ -280,8 +267,7 @@ class Engine:
     @staticmethod
     def _cut_at_stop_string(req: Request, before: int) -> bool:
         """Truncate output_text before the first stop string that the new text completed."""
-        text = req.output_text
-        found = (text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)
+        found = (req.output_text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)
         hits = [i for i in found if i >= 0]
         if hits:
             req.output_text = req.output_text[:min(hits)]
@@ -316,16 +302,8 @@ class Batch:
 
 
 class DecodeGraphs:
-    """Decode-only steps at padded batch sizes, through static input, metadata and output buffers.
-
-    On CUDA each size is captured once as a CUDA graph and replayed (launching a step's hundreds
-    of kernels costs about as much as an 8B model's whole step at batch 1); elsewhere the same
-    padded forward runs eagerly, so that the padding is tested on a CPU. Before each replay the
-    real rows are written into the buffers (block tables change as requests grow, are swapped in
-    or replaced); padding rows store nothing (slot -1) and attend to one token. The decode split
-    count follows the model's context, not the batch's longest sequence, so that one capture
-    serves every step of its size.
-    """
+    """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
+    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
 
     def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool):
@@ -394,9 +372,7 @@ class Output:
 
 class LLM:
     """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`.
-
-    Options are `EngineConfig` fields: `LLM(ckpt, num_kv_blocks=64)` or `LLM(ckpt, config)`.
-    """
+    Options are `EngineConfig` fields: `LLM(ckpt, num_kv_blocks=64)` or `LLM(ckpt, config)`."""
 
     def __init__(self, ckpt: str | Path | None = None, config: EngineConfig | None = None,
                  **options):
@@ -412,7 +388,6 @@ class LLM:
             dist.shutdown()
             raise
         self.generation_config = generation_config(ckpt)
-        cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
         shape = model.kv_block_shape(c.block_size)
         block_bytes = kv_block_bytes(*shape, dtype)
@@ -426,10 +401,9 @@ class LLM:
         if shard.size > 1:
             dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
-                              c.policy, swapper, c.tokenflow,
-                              c.enable_prefix_caching)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
-                             c.enforce_eager or shard.size > 1)
+                              c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
+        self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
+                             c.max_model_len, c.enforce_eager or shard.size > 1)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -444,8 +418,7 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
-        """Like generate, for conversations ([{"role", "content"}, ...]), through the chat
-        template."""
+        """`generate` for conversations ([{"role", "content"}, ...]) through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self._run([self.tokenizer.apply_chat_template(c) for c in conversations], params)

@@ -1,17 +1,14 @@
 """The HTTP front door: an OpenAI-compatible server on the standard library's `http.server`.
 
-A connection thread checks a request (its only check: the engine trusts it), tokenizes it and
-puts it in the engine thread's inbox. That thread alone touches the Engine: it adds and aborts
-requests, runs `engine.step()` and puts each request's new text on the request's own queue, which
-the connection writes to its socket at once (one SSE chunk per token); a client that leaves has its
-request aborted. The server listens before the model loads (/health: 503 until then); on SIGTERM,
-requests in flight may finish for a while. `GET /` watches the engine live (live.py).
+A connection thread checks and tokenizes a request and puts it in the engine thread's inbox. That
+thread alone touches the Engine: it adds and aborts requests, steps, and puts each request's new
+text on the request's queue, which the connection writes at once (one SSE chunk per token). The
+server listens before the model loads (/health: 503 until then). `GET /` watches the engine live.
 
     python -m nanoflow.serve --ckpt ./llama3-8b --port 8000
 """
 
 import argparse
-import dataclasses
 import functools
 import hmac
 import itertools
@@ -28,7 +25,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,7 +56,7 @@ MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
 # the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint
-SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)
+SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)
                    if f.name not in ("max_tokens", "logprobs")]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or this neutral value
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none",
@@ -295,11 +292,9 @@ def chat_messages(body: dict) -> list[dict]:
         if isinstance(content, list) and all(map(is_text_part, content)):
             content = "\n".join(p["text"] for p in content)
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
-            raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` "
-                                 "(or text parts)")
+            raise HTTPError(400, f"messages[{i}] needs string `role` and `content` (or text parts)")
         if m["role"] not in ROLES:
-            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of "
-                                 f"{', '.join(ROLES)}")
+            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use {', '.join(ROLES)}")
         out.append({"role": ROLES[m["role"]], "content": content})
     return out
 
@@ -317,8 +312,7 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return prompt
-    raise HTTPError(400, "`prompt` must be a string or a list of token ids (one prompt per "
-                         "request)")
+    raise HTTPError(400, "`prompt` must be a string or a list of token ids (one per request)")
 
 
 def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
@@ -334,16 +328,16 @@ def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
 
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
-                    chat: bool) -> SamplingParams:
-    """SamplingParams from the body's OpenAI fields over the defaults, checked with the prompt:
-    the one check a served request gets (the engine trusts it). A 400 if it cannot run."""
-    fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
+                    chat: bool) -> list[SamplingParams]:
+    """Each choice's SamplingParams: the body's OpenAI fields over the defaults, checked with the
+    prompt (a served request's one check: the engine trusts it). A 400 if it cannot run."""
+    given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
     # by default, up to the end of the context (as OpenAI and vLLM do)
     max_tokens = asked[0] if asked else max(1, room)
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **fields)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **given)
         engine.check_prompt(ids, params)
     except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
@@ -351,7 +345,7 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
         raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
                              f"{len(ids)} and max_tokens asks for {params.max_tokens} more; ask "
                              f"for at most {room}", "context_length_exceeded")
-    return params
+    return per_choice_params(body, params)
 
 
 def num_logprobs(body: dict, chat: bool) -> int | None:
@@ -369,7 +363,7 @@ def per_choice_params(body: dict, params: SamplingParams) -> list[SamplingParams
     if not (type(n) is int and 1 <= n <= MAX_CHOICES):
         raise HTTPError(400, f"`n` must be an integer in [1, {MAX_CHOICES}]")
     seeds = [None] * n if params.seed is None else [(params.seed + i) % 2**64 for i in range(n)]
-    return [dataclasses.replace(params, seed=seed) for seed in seeds]
+    return [replace(params, seed=seed) for seed in seeds]
 
 
 # ---------------------------------------------------------------- answers: OpenAI's objects
@@ -600,7 +594,6 @@ class Handler(BaseHTTPRequestHandler):
                               "tokens": ids, "token_strs": strs})
 
     def detokenize(self) -> None:
-        """vLLM's /detokenize: token ids to text."""
         tokens = self._read_json().get("tokens")
         vocab = self.server.engine.config.vocab_size
         ids = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
@@ -620,7 +613,7 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
         include_usage = stream and flag(options, "include_usage")
-        params = per_choice_params(body, sampling_params(body, ids, server.engine, server.defaults, chat))
+        params = sampling_params(body, ids, server.engine, server.defaults, chat)
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                       server.engine.tokenizer, len(ids), params[0].logprobs is not None,
@@ -654,7 +647,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._sse(delta.error.body())
                 break
             if delta.text or delta.logprobs:
-                self._sse(reply.chunk(dataclasses.replace(delta, finish_reason=None)))
+                self._sse(reply.chunk(replace(delta, finish_reason=None)))
             # the finish in a chunk of its own, as OpenAI sends it
             if delta.finish_reason:
                 self._sse(reply.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason)))
@@ -720,14 +713,10 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def _start_events(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        # nginx: pass each chunk on at once
-        self.send_header("X-Accel-Buffering", "no")
-        self.send_header("Connection", "close")
-        self.end_headers()
         self.close_connection = True
+        # X-Accel-Buffering: nginx passes each chunk on at once
+        self._start(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                          "X-Accel-Buffering": "no", "Connection": "close"})
 
     def _sse(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -737,13 +726,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, data: bytes, content_type: str | None,
               headers: dict | None = None) -> None:
+        self._start(status, {"Content-Type": content_type, "Content-Length": str(len(data)),
+                             **(headers or {})})
+        self.wfile.write(data)
+
+    def _start(self, status: int, headers: dict) -> None:
+        """The status line and the headers that have a value."""
         self.send_response(status)
-        standard = {"Content-Type": content_type, "Content-Length": str(len(data))}
-        for name, value in {**standard, **(headers or {})}.items():
+        for name, value in headers.items():
             if value is not None:
                 self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
 
     def _send_error(self, e: HTTPError) -> None:
         self.server.metrics.rejected(e.code)
@@ -811,7 +804,6 @@ class Server(ThreadingHTTPServer):
         return "loading" if self.loop is None else "draining" if self.loop.stopping else "serving"
 
     def attach(self, llm: LLM) -> "Server":
-        """Serve `llm` from now on."""
         self.defaults = {**llm.generation_config, **self.generation_config}
         # a bad override fails here, not in every request
         SamplingParams(**self.defaults)
@@ -859,8 +851,7 @@ class Server(ThreadingHTTPServer):
 
 def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000,
                 **options) -> Server:
-    """A server for `llm` (None: until `attach`) on host:port (0: any free); `.start()` it.
-    `generation_config` (a Server option) overrides the model's sampling defaults."""
+    """A Server (see its options) for `llm` (None: until `attach`) on host:port (0: any free)."""
     server = Server(host, port, **options)
     return server.attach(llm) if llm is not None else server
 
@@ -880,27 +871,24 @@ def json_object(text: str) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible "
                                 f"server: {', '.join(ROUTES)} (/ watches the engine live).")
-    p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file (default: the "
-                   f"demo {DEMO_MODEL_ID}, downloaded once)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every "
-                   "interface (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's names in "
-                   "the API, the first in answers (default: the checkpoint's name)")
-    p.add_argument("--chat-template", type=Path, metavar="FILE",
-                   help="a jinja2 chat template to use instead of the model's own")
+    arg = p.add_argument
+    arg("--ckpt", help=f"safetensors folder or .gguf file (default: {DEMO_MODEL_ID}, downloaded)")
+    arg("--host", default="127.0.0.1", help="0.0.0.0: every interface (default: %(default)s)")
+    arg("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
+    arg("--served-model-name", nargs="+", metavar="NAME", help="the model's names in the API, the "
+        "first in answers (default: the checkpoint's name)")
+    arg("--chat-template", type=Path, metavar="FILE", help="jinja2 template, not the model's own")
     EngineConfig.add_flags(p)
-    p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
-                   help='sampling defaults over generation_config.json\'s, e.g. '
-                   '\'{"temperature": 0.7}\'')
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
-    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser "
-                   "origins that may call the API (CORS), e.g. http://localhost:3000, or *")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without "
-                   "a first token beyond which new ones get 503 (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on "
-                   "SIGTERM, seconds in-flight requests may take to finish (default: %(default)s)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    arg("--override-generation-config", type=json_object, default={}, metavar="JSON",
+        help="""sampling defaults over generation_config.json's, e.g. '{"temperature": 0.7}'""")
+    arg("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
+        "may call the API (CORS), e.g. http://localhost:3000, or *")
+    arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
+        "token beyond which new ones get 503 (default: %(default)s)")
+    arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
+        "in-flight requests may take to finish (default: %(default)s)")
+    arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
 

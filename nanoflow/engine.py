@@ -79,8 +79,7 @@ class EngineConfig:
         if isinstance(self.policy, str) and self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]")
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
@@ -226,11 +225,10 @@ class Engine:
 
     def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor,
                          tokens: list[int]) -> None:
-        asked = [r for r in reqs if r.params.logprobs is not None]
+        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if not asked:
             return
-        num_top = max(r.params.logprobs for r in asked)
-        for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, num_top)):
+        for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, max(asked))):
             if req.params.logprobs is not None:
                 req.logprobs.append((logprob, top[:req.params.logprobs]))
 
@@ -441,7 +439,6 @@ class LLM:
 
 
 def clamp_read_rate(rate: float) -> float:
-    """The rate the engine gives a reader: within [READ_RATE_MIN, READ_RATE_MAX]."""
     return min(max(rate, READ_RATE_MIN), READ_RATE_MAX)
 
 
@@ -457,8 +454,7 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def _max_model_len(asked: int | None, context: int, pool_tokens: int) -> int:
     """The longest request served: the model's context (or less, if asked), at most the KV pool."""
     if asked is not None and not 0 < asked <= context:
-        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), "
-                         f"got {asked}")
+        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context): {asked}")
     wanted = asked or context
     if pool_tokens < wanted:
         log.info("max_model_len lowered from %d to %d tokens: what the KV pool holds", wanted,

@@ -176,8 +176,7 @@ class EngineLoop(threading.Thread):
                 stepped = self.engine.step()
             except Exception:
                 log.exception("engine step failed; aborting every request")
-                self._abort_all(HTTPError(500, "the engine failed while running this request; "
-                                          "see the server log"))
+                self._abort_all(HTTPError(500, "the engine failed: see the server log"))
                 continue
             # before the deltas, so that a finished client sees its blocks free
             self.snapshot = self.engine.stats()
@@ -477,8 +476,7 @@ class Handler(BaseHTTPRequestHandler):
             length = self._content_length()
             # say so now: the client may wait for us before it sends the body
             if length > MAX_BODY_BYTES:
-                self._send_error(HTTPError(413, f"the body has {length} bytes; the limit: "
-                                                f"{MAX_BODY_BYTES}"))
+                self._send_error(HTTPError(413, f"{length} bytes; the limit is {MAX_BODY_BYTES}"))
                 return self._discard(length)
             if path not in ROUTES:
                 raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
@@ -503,8 +501,7 @@ class Handler(BaseHTTPRequestHandler):
     def _authenticate(self) -> None:
         given = self.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
-            raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer "
-                                 "<key>'", "invalid_api_key")
+            raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
 
     def _allowed_origin(self) -> str | None:
         """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
@@ -731,7 +728,6 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _start(self, status: int, headers: dict) -> None:
-        """The status line and the headers that have a value."""
         self.send_response(status)
         for name, value in headers.items():
             if value is not None:

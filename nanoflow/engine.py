@@ -28,15 +28,11 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("nanoflow")
 
-# share of available RAM the KV pool may take on CPU (the OS and weights need the rest)...
-CPU_KV_FRACTION = 0.25
-# ...but no more: a CPU serves a handful of requests at a time
-CPU_KV_MAX_BYTES = 2 << 30
+CPU_KV_FRACTION = 0.25  # of available RAM for the KV pool on CPU: the OS and weights need the rest
+CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
-# tokens/s: a fast silent reader (~360 words/min) when a client declares none
-DEFAULT_READ_RATE = 8.0
-# clamp, so that nobody buys priority with a huge declared rate
-READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0
+DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
+READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
 GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -392,10 +388,9 @@ class LLM:
         num_kv_blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes,
                                                             c.gpu_memory_utilization)
         kv = KVPool(num_kv_blocks, *shape, dtype, device)
-        num_host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
-        swapper = None
-        if num_host_blocks:
-            swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True))
+        host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
+        host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
+        swapper = Swapper(kv, host) if host_blocks else None
         if shard.size > 1:
             dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,

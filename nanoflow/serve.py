@@ -4,8 +4,6 @@ A connection thread checks and tokenizes a request and puts it in the engine thr
 thread alone touches the Engine: it adds and aborts requests, steps, and puts each request's new
 text on the request's queue, which the connection writes at once (one SSE chunk per token). The
 server listens before the model loads (/health: 503 until then). `GET /` watches the engine live.
-
-    python -m nanoflow.serve --ckpt ./llama3-8b --port 8000
 """
 
 import argparse
@@ -24,7 +22,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, fields, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -132,8 +130,7 @@ class EngineLoop(threading.Thread):
         self.max_waiting = max_waiting
         self.live = live
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to make; None: stop
-        # makes "check the queue length, then enqueue" one step for racing submits
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # "check the queue length, then enqueue" is one step
         self.num_queued = 0  # submitted requests without a token yet
         self.stopping = False
         self.choices: dict[str, Choice] = {}
@@ -341,9 +338,8 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
     except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
     if params.max_tokens > room:
-        raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
-                             f"{len(ids)} and max_tokens asks for {params.max_tokens} more; ask "
-                             f"for at most {room}", "context_length_exceeded")
+        raise HTTPError(400, f"{len(ids)} prompt tokens in a {engine.max_model_len}-token context: "
+                             f"max_tokens can be {room} at most", "context_length_exceeded")
     return per_choice_params(body, params)
 
 
@@ -442,10 +438,9 @@ def chat_logprobs(tokens: list, tokenizer) -> dict:
 def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
     """OpenAI's completions shape: lists of tokens, their logprobs, top alternatives, offsets."""
     texts = [tokenizer.decode([t]) for t, _ in tokens]
-    offsets = list(itertools.accumulate(map(len, texts), initial=start))[:-1]
     return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
             "top_logprobs": [{tokenizer.decode([i]): v for i, v in top} for _, (_, top) in tokens],
-            "text_offset": offsets}
+            "text_offset": list(itertools.accumulate(map(len, texts), initial=start))[:-1]}
 
 
 # ---------------------------------------------------------------- HTTP
@@ -530,8 +525,6 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Vary", "Origin")
         super().end_headers()
 
-    # ---- endpoints
-
     def health(self) -> None:
         state = self.server.state
         if state != "serving":
@@ -557,12 +550,10 @@ class Handler(BaseHTTPRequestHandler):
         self._start_events()
         with self.server.live.watching() as version:
             self.server.loop.watch()
-            try:
+            with suppress(OSError):  # the viewer left
                 while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
                     version = snapshot["version"]
                     self._sse(snapshot)
-            except OSError:  # the viewer left
-                pass
 
     def engine_burst(self) -> None:
         """The page's burst, sent from here: a browser holds only six connections to one server."""
@@ -597,8 +588,6 @@ class Handler(BaseHTTPRequestHandler):
         if not (ids and all(0 <= t < vocab for t in tokens)):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self._send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
-
-    # ---- generation: the body's checks, the engine thread, then one stream or one answer
 
     def _generate(self, chat: bool) -> None:
         body = self._read_json()
@@ -682,8 +671,6 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(b": keep-alive\n\n")
                 quiet_since = time.monotonic()
 
-    # ---- reading and writing
-
     def _content_length(self) -> int:
         length = self.headers.get("Content-Length", "0")
         if not (length.isascii() and length.isdigit()):
@@ -703,11 +690,9 @@ class Handler(BaseHTTPRequestHandler):
         """After a 413: read and drop what the client still sends, so that it reads our answer."""
         left = min(size, DRAIN_LIMIT_BYTES)
         self.connection.settimeout(DRAIN_IDLE_S)
-        try:
+        with suppress(OSError):  # it sends nothing more: done
             while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
                 left -= len(chunk)
-        except OSError:  # it sends nothing more: done
-            pass
 
     def _start_events(self) -> None:
         self.close_connection = True

@@ -1,9 +1,7 @@
 """The engine step loop and the public Python API (`LLM`), in vLLM's shape.
 
-One `Engine.step()`: schedule (sched.py picks requests and token counts), run (kv.py's flat batch,
-one model forward), sample (a token for each request at the end of its known tokens), postprocess
-(append, detokenize, check stops, free finished requests' blocks). `LLM.generate` and the server
-drive the steps.
+`Engine.step()` schedules (sched.py), runs one forward over a flat batch (kv.py), samples, and
+postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and serve.py drive it.
 """
 
 import argparse
@@ -211,10 +209,9 @@ class Engine:
             logits = self.graphs.run(ids, positions, meta)
         else:
             ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
-            logits_indices = [ends[req] - 1 for req in batch.sampled]
+            indices = to_device([ends[req] - 1 for req in batch.sampled], torch.long, self.device)
             # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
-            logits = self.model(ids, positions, self.kv_caches, meta,
-                                to_device(logits_indices, torch.long, self.device))
+            logits = self.model(ids, positions, self.kv_caches, meta, indices)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
         return tokens
@@ -385,9 +382,8 @@ class LLM:
         dtype = model.model.embed_tokens.weight.dtype
         shape = model.kv_block_shape(c.block_size)
         block_bytes = kv_block_bytes(*shape, dtype)
-        num_kv_blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes,
-                                                            c.gpu_memory_utilization)
-        kv = KVPool(num_kv_blocks, *shape, dtype, device)
+        blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes, c.gpu_memory_utilization)
+        kv = KVPool(blocks, *shape, dtype, device)
         host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
         host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
         swapper = Swapper(kv, host) if host_blocks else None
@@ -452,8 +448,7 @@ def _max_model_len(asked: int | None, context: int, pool_tokens: int) -> int:
         raise ValueError(f"max_model_len must be in [1, {context}] (the model's context): {asked}")
     wanted = asked or context
     if pool_tokens < wanted:
-        log.info("max_model_len lowered from %d to %d tokens: what the KV pool holds", wanted,
-                 pool_tokens)
+        log.info("max_model_len lowered from %d to %d tokens (the KV pool)", wanted, pool_tokens)
     return min(wanted, pool_tokens)
 
 

@@ -1,9 +1,8 @@
 """The HTTP front door: an OpenAI-compatible server on the standard library's `http.server`.
 
-A connection thread checks and tokenizes a request and puts it in the engine thread's inbox. That
-thread alone touches the Engine: it adds and aborts requests, steps, and puts each request's new
-text on the request's queue, which the connection writes at once (one SSE chunk per token). The
-server listens before the model loads (/health: 503 until then). `GET /` watches the engine live.
+A connection thread checks and tokenizes a request; the engine thread alone touches the Engine: it
+adds and aborts requests, steps, and puts each one's new text on its queue, which the connection
+sends at once (an SSE chunk per token). The server listens before the model loads; `GET /`: live.py.
 """
 
 import argparse
@@ -155,10 +154,6 @@ class EngineLoop(threading.Thread):
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
 
-    def watch(self) -> None:
-        """A viewer arrived: wake the engine thread, which publishes snapshots even when idle."""
-        self.inbox.put(self.live.restart)
-
     def stop(self) -> None:
         """Abort every request (each choice gets its last ChoiceDelta) and end the thread."""
         with self.lock:
@@ -227,8 +222,7 @@ class EngineLoop(threading.Thread):
         req = choice.request
         text = stream_text(req)
         sent = choice.sent_tokens
-        new_ids = req.token_ids[len(req.prompt_token_ids) + sent:] if req.logprobs else []
-        logprobs = list(zip(new_ids, req.logprobs[sent:]))
+        logprobs = list(zip(req.output_token_ids[sent:], req.logprobs[sent:]))
         delta = ChoiceDelta(choice.index, text[choice.sent:], logprobs, req.finish_reason,
                             req.num_output_tokens, error)
         choice.sent = len(text)
@@ -396,18 +390,17 @@ class Reply:
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
     def chunk(self, delta: ChoiceDelta, role: bool = False) -> dict:
-        usage = {"usage": None} if self.include_usage else {}
         text = {"content": delta.text} if delta.text else {}
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
-        return self._object([choice], **usage)
+        return self._object([choice], **({"usage": None} if self.include_usage else {}))
 
     def usage_chunk(self, finished: list[ChoiceDelta]) -> dict:
         return self._object([], usage=self._usage(finished))
 
-    def _usage(self, finished: list[ChoiceDelta]) -> dict:
-        completion = sum(e.completion_tokens for e in finished)
+    def _usage(self, deltas: list[ChoiceDelta]) -> dict:
+        completion = sum(e.completion_tokens for e in deltas if e.finish_reason)
         return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
                 "total_tokens": self.num_prompt + completion}
 
@@ -421,8 +414,7 @@ class Reply:
             message = {"role": "assistant", "content": text}
             content = {"message": message} if self.chat else {"text": text}
             out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
-        finished = [e for e in deltas if e.finish_reason]
-        return self._object(out, whole=True, usage=self._usage(finished))
+        return self._object(out, whole=True, usage=self._usage(deltas))
 
 
 def chat_logprobs(tokens: list, tokenizer) -> dict:
@@ -480,8 +472,10 @@ class Handler(BaseHTTPRequestHandler):
             if self.command == "OPTIONS":  # a browser's CORS preflight: no key, no body
                 preflight = {"Allow": f"{method}, OPTIONS", **self._preflight(method)}
                 return self._send(204, b"", None, preflight)
-            if self.server.api_key and path not in OPEN_PATHS:
-                self._authenticate()
+            keyed = self.server.api_key and path not in OPEN_PATHS
+            given = self.headers.get("Authorization", "").encode()
+            if keyed and not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
+                raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
             if self.command != method:
                 raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
             if self.server.engine is None and path != "/health":
@@ -493,16 +487,10 @@ class Handler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _dispatch
 
-    def _authenticate(self) -> None:
-        given = self.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
-            raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
-
     def _allowed_origin(self) -> str | None:
         """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
         # no headers yet when the request line itself was bad
-        headers = getattr(self, "headers", None)
-        origin = headers.get("Origin") if headers else None
+        origin = getattr(self, "headers", {}).get("Origin")
         allowed = self.server.allowed_origins
         if origin is not None and "*" in allowed:
             return "*"
@@ -549,7 +537,8 @@ class Handler(BaseHTTPRequestHandler):
         """Snapshots of the engine (live.py), one server-sent event each, while the viewer stays."""
         self._start_events()
         with self.server.live.watching() as version:
-            self.server.loop.watch()
+            # on the engine thread, which this wakes: an idle one then publishes snapshots too
+            self.server.loop.inbox.put(self.server.live.restart)
             with suppress(OSError):  # the viewer left
                 while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
                     version = snapshot["version"]
@@ -733,7 +722,6 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s " + format, self.request_id, self.address_string(), *args)
 
 
-# path -> (method, endpoint): every route the server answers
 ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions),
           "/v1/completions": ("POST", Handler.completions), "/v1/models": ("GET", Handler.models),
           "/tokenize": ("POST", Handler.tokenize), "/detokenize": ("POST", Handler.detokenize),
@@ -804,8 +792,7 @@ class Server(ThreadingHTTPServer):
         """Refuse new requests (503), let those in flight finish for up to `timeout` s, end the rest
         (streams get a last chunk and [DONE]), stop the engine, stop listening: (finished, cut)."""
         if self.loop:
-            with self.loop.lock:
-                self.loop.stopping = True
+            self.loop.stopping = True
         with self.idle:
             busy = self.num_in_flight
             self.idle.wait_for(lambda: self.num_in_flight == 0, timeout)
@@ -830,8 +817,7 @@ class Server(ThreadingHTTPServer):
                 self.idle.notify_all()
 
 
-def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000,
-                **options) -> Server:
+def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000, **options) -> Server:
     """A Server (see its options) for `llm` (None: until `attach`) on host:port (0: any free)."""
     server = Server(host, port, **options)
     return server.attach(llm) if llm is not None else server

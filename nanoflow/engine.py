@@ -1,10 +1,7 @@
 """The engine step loop and the public Python API (`LLM`), in vLLM's shape.
 
-One `Engine.step()` is: schedule (sched.py picks requests and token counts), run (build the flat
-batch with kv.py, one model forward), sample (the last new token of each request that reached the
-end of its known tokens), postprocess (append, detokenize, check stop conditions, free finished
-requests' blocks). `LLM.generate` drives steps until every request is done; the server drives the
-same steps from its own thread.
+`Engine.step()` schedules (sched.py), runs one forward over a flat batch (kv.py), samples, and
+postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and serve.py drive it.
 """
 
 import argparse
@@ -29,15 +26,11 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("nanoflow")
 
-# share of available RAM the KV pool may take on CPU (the OS and weights need the rest)...
-CPU_KV_FRACTION = 0.25
-# ...but no more: a CPU serves a handful of requests at a time
-CPU_KV_MAX_BYTES = 2 << 30
+CPU_KV_FRACTION = 0.25  # of available RAM for the KV pool on CPU: the OS and weights need the rest
+CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
-# tokens/s: a fast silent reader (~360 words/min) when a client declares none
-DEFAULT_READ_RATE = 8.0
-# clamp, so that nobody buys priority with a huge declared rate
-READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0
+DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
+READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
 GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -51,37 +44,27 @@ def knob(default, help: str, **flag):
 
 @dataclass
 class EngineConfig:
-    """The engine's knobs and their defaults, in one place: `LLM(**fields)`, and the flags of
-    serve.py and bench.py (`add_flags`)."""
+    """The engine's knobs: `LLM(**fields)`, and the flags of serve.py and bench.py (`add_flags`)."""
 
     device: str | None = knob(None, "cuda, cuda:1 or cpu (default: cuda when available)")
-    dtype: str | torch.dtype = knob(
-        "auto", "float32, bfloat16, float16 or auto: the checkpoint's 16-bit dtype on GPU (else "
-        "bfloat16), nanoflow.model.CPU_DTYPE on CPU")
+    dtype: str | torch.dtype = knob("auto", "float32, bfloat16, float16 or auto: the checkpoint's "
+                                    "16-bit one (or bf16) on GPU, nanoflow.model.CPU_DTYPE on CPU")
     block_size: int = knob(16, "tokens per KV block", type=int)
-    num_kv_blocks: int | None = knob(
-        None, "KV blocks in device memory (default: what free memory holds)", type=int)
-    policy: str | Policy = knob("tokenflow", "scheduling policy (fcfs is the vLLM/SGLang "
-                                "baseline)", choices=list(POLICIES))
+    num_kv_blocks: int | None = knob(None, "KV blocks (default: what free memory holds)", type=int)
+    policy: str | Policy = knob("tokenflow", "fcfs: vLLM's and SGLang's", choices=list(POLICIES))
     max_num_seqs: int = knob(256, "requests in one step at most", type=int)
     max_num_batched_tokens: int = knob(2048, "tokens per step at most", type=int)
-    host_kv_gb: float = knob(4.0, "host memory for KV swapped out of the device, in GB",
-                             type=float)
-    read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s a request's reader reads when the "
-                            "request declares no read_rate", type=float)
+    host_kv_gb: float = knob(4.0, "host memory for KV swapped out of the device (GB)", type=float)
+    read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s of a reader who declares none", type=float)
     tokenflow: TokenFlowConfig | None = knob(
         None, f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
         type=TokenFlowConfig.parse, metavar="KEY=VALUE,...")
-    max_model_len: int | None = knob(
-        None, "longest prompt + output in tokens (default: the model's context, lowered to what "
-        "the KV pool holds)", type=int)
+    max_model_len: int | None = knob(None, "longest prompt + output in tokens (default: the "
+                                     "model's context, at most what the KV pool holds)", type=int)
     # vLLM's default; the rest of the device is for activations
-    gpu_memory_utilization: float = knob(0.9, "share of the GPU for weights + KV cache",
-                                         type=float)
-    enforce_eager: bool = knob(False, "no CUDA graphs: every step runs eagerly (on a CPU it "
-                               "always does)", action="store_true")
-    tensor_parallel_size: int = knob(1, "ranks (processes, one GPU each) that split every "
-                                     "layer's heads and weights", type=int)
+    gpu_memory_utilization: float = knob(0.9, "GPU share for weights + KV cache", type=float)
+    enforce_eager: bool = knob(False, "no CUDA graphs (a CPU never has them)", action="store_true")
+    tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)
     enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
                                        action=argparse.BooleanOptionalAction)
 
@@ -90,8 +73,7 @@ class EngineConfig:
         if isinstance(self.policy, str) and self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization is a share in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]")
 
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
@@ -133,8 +115,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Queue a request that `check_prompt` passed: LLM and the server check each request
-        once, at their door."""
+        """Queue a request that `check_prompt` passed (LLM and the server check at their door)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         rate = clamp_read_rate(params.read_rate or self.read_rate)
@@ -157,8 +138,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context is "
-                             f"{self.max_model_len} tokens (max_model_len) and generation needs at "
-                             "least one more")
+                             f"{self.max_model_len} (max_model_len): generation needs one more")
         if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
             raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
 
@@ -229,21 +209,19 @@ class Engine:
             logits = self.graphs.run(ids, positions, meta)
         else:
             ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
-            logits_indices = [ends[req] - 1 for req in batch.sampled]
+            indices = to_device([ends[req] - 1 for req in batch.sampled], torch.long, self.device)
             # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
-            logits = self.model(ids, positions, self.kv_caches, meta,
-                                to_device(logits_indices, torch.long, self.device))
+            logits = self.model(ids, positions, self.kv_caches, meta, indices)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
         return tokens
 
     def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor,
                          tokens: list[int]) -> None:
-        asked = [r for r in reqs if r.params.logprobs is not None]
+        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if not asked:
             return
-        num_top = max(r.params.logprobs for r in asked)
-        for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, num_top)):
+        for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, max(asked))):
             if req.params.logprobs is not None:
                 req.logprobs.append((logprob, top[:req.params.logprobs]))
 
@@ -280,8 +258,7 @@ class Engine:
     @staticmethod
     def _cut_at_stop_string(req: Request, before: int) -> bool:
         """Truncate output_text before the first stop string that the new text completed."""
-        text = req.output_text
-        found = (text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)
+        found = (req.output_text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)
         hits = [i for i in found if i >= 0]
         if hits:
             req.output_text = req.output_text[:min(hits)]
@@ -316,16 +293,8 @@ class Batch:
 
 
 class DecodeGraphs:
-    """Decode-only steps at padded batch sizes, through static input, metadata and output buffers.
-
-    On CUDA each size is captured once as a CUDA graph and replayed (launching a step's hundreds
-    of kernels costs about as much as an 8B model's whole step at batch 1); elsewhere the same
-    padded forward runs eagerly, so that the padding is tested on a CPU. Before each replay the
-    real rows are written into the buffers (block tables change as requests grow, are swapped in
-    or replaced); padding rows store nothing (slot -1) and attend to one token. The decode split
-    count follows the model's context, not the batch's longest sequence, so that one capture
-    serves every step of its size.
-    """
+    """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
+    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
 
     def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool):
@@ -394,9 +363,7 @@ class Output:
 
 class LLM:
     """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`.
-
-    Options are `EngineConfig` fields: `LLM(ckpt, num_kv_blocks=64)` or `LLM(ckpt, config)`.
-    """
+    Options are `EngineConfig` fields: `LLM(ckpt, num_kv_blocks=64)` or `LLM(ckpt, config)`."""
 
     def __init__(self, ckpt: str | Path | None = None, config: EngineConfig | None = None,
                  **options):
@@ -412,24 +379,20 @@ class LLM:
             dist.shutdown()
             raise
         self.generation_config = generation_config(ckpt)
-        cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
         shape = model.kv_block_shape(c.block_size)
         block_bytes = kv_block_bytes(*shape, dtype)
-        num_kv_blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes,
-                                                            c.gpu_memory_utilization)
-        kv = KVPool(num_kv_blocks, *shape, dtype, device)
-        num_host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
-        swapper = None
-        if num_host_blocks:
-            swapper = Swapper(kv, KVPool(num_host_blocks, *shape, dtype, device, host=True))
+        blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes, c.gpu_memory_utilization)
+        kv = KVPool(blocks, *shape, dtype, device)
+        host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
+        host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
+        swapper = Swapper(kv, host) if host_blocks else None
         if shard.size > 1:
             dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
-                              c.policy, swapper, c.tokenflow,
-                              c.enable_prefix_caching)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
-                             c.enforce_eager or shard.size > 1)
+                              c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
+        self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
+                             c.max_model_len, c.enforce_eager or shard.size > 1)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -444,8 +407,7 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
-        """Like generate, for conversations ([{"role", "content"}, ...]), through the chat
-        template."""
+        """`generate` for conversations ([{"role", "content"}, ...]) through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self._run([self.tokenizer.apply_chat_template(c) for c in conversations], params)
@@ -468,7 +430,6 @@ class LLM:
 
 
 def clamp_read_rate(rate: float) -> float:
-    """The rate the engine gives a reader: within [READ_RATE_MIN, READ_RATE_MAX]."""
     return min(max(rate, READ_RATE_MIN), READ_RATE_MAX)
 
 
@@ -484,12 +445,10 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def _max_model_len(asked: int | None, context: int, pool_tokens: int) -> int:
     """The longest request served: the model's context (or less, if asked), at most the KV pool."""
     if asked is not None and not 0 < asked <= context:
-        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), "
-                         f"got {asked}")
+        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context): {asked}")
     wanted = asked or context
     if pool_tokens < wanted:
-        log.info("max_model_len lowered from %d to %d tokens: what the KV pool holds", wanted,
-                 pool_tokens)
+        log.info("max_model_len lowered from %d to %d tokens (the KV pool)", wanted, pool_tokens)
     return min(wanted, pool_tokens)
 
 

@@ -1,17 +1,11 @@
 """The HTTP front door: an OpenAI-compatible server on the standard library's `http.server`.
 
-A connection thread checks a request (its only check: the engine trusts it), tokenizes it and
-puts it in the engine thread's inbox. That thread alone touches the Engine: it adds and aborts
-requests, runs `engine.step()` and puts each request's new text on the request's own queue, which
-the connection writes to its socket at once (one SSE chunk per token); a client that leaves has its
-request aborted. The server listens before the model loads (/health: 503 until then); on SIGTERM,
-requests in flight may finish for a while. `GET /` watches the engine live (live.py).
-
-    python -m nanoflow.serve --ckpt ./llama3-8b --port 8000
+A connection thread checks and tokenizes a request; the engine thread alone touches the Engine: it
+adds and aborts requests, steps, and puts each one's new text on its queue, which the connection
+sends at once (an SSE chunk per token). The server listens before the model loads; `GET /`: live.py.
 """
 
 import argparse
-import dataclasses
 import functools
 import hmac
 import itertools
@@ -27,8 +21,8 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field, fields, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,7 +53,7 @@ MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
 # the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint
-SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)
+SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)
                    if f.name not in ("max_tokens", "logprobs")]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or this neutral value
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none",
@@ -135,8 +129,7 @@ class EngineLoop(threading.Thread):
         self.max_waiting = max_waiting
         self.live = live
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to make; None: stop
-        # makes "check the queue length, then enqueue" one step for racing submits
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # "check the queue length, then enqueue" is one step
         self.num_queued = 0  # submitted requests without a token yet
         self.stopping = False
         self.choices: dict[str, Choice] = {}
@@ -161,10 +154,6 @@ class EngineLoop(threading.Thread):
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
 
-    def watch(self) -> None:
-        """A viewer arrived: wake the engine thread, which publishes snapshots even when idle."""
-        self.inbox.put(self.live.restart)
-
     def stop(self) -> None:
         """Abort every request (each choice gets its last ChoiceDelta) and end the thread."""
         with self.lock:
@@ -179,8 +168,7 @@ class EngineLoop(threading.Thread):
                 stepped = self.engine.step()
             except Exception:
                 log.exception("engine step failed; aborting every request")
-                self._abort_all(HTTPError(500, "the engine failed while running this request; "
-                                          "see the server log"))
+                self._abort_all(HTTPError(500, "the engine failed: see the server log"))
                 continue
             # before the deltas, so that a finished client sees its blocks free
             self.snapshot = self.engine.stats()
@@ -234,8 +222,7 @@ class EngineLoop(threading.Thread):
         req = choice.request
         text = stream_text(req)
         sent = choice.sent_tokens
-        new_ids = req.token_ids[len(req.prompt_token_ids) + sent:] if req.logprobs else []
-        logprobs = list(zip(new_ids, req.logprobs[sent:]))
+        logprobs = list(zip(req.output_token_ids[sent:], req.logprobs[sent:]))
         delta = ChoiceDelta(choice.index, text[choice.sent:], logprobs, req.finish_reason,
                             req.num_output_tokens, error)
         choice.sent = len(text)
@@ -295,11 +282,9 @@ def chat_messages(body: dict) -> list[dict]:
         if isinstance(content, list) and all(map(is_text_part, content)):
             content = "\n".join(p["text"] for p in content)
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
-            raise HTTPError(400, f"messages[{i}] needs a string `role` and a string `content` "
-                                 "(or text parts)")
+            raise HTTPError(400, f"messages[{i}] needs string `role` and `content` (or text parts)")
         if m["role"] not in ROLES:
-            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use one of "
-                                 f"{', '.join(ROLES)}")
+            raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use {', '.join(ROLES)}")
         out.append({"role": ROLES[m["role"]], "content": content})
     return out
 
@@ -317,8 +302,7 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         return prompt
-    raise HTTPError(400, "`prompt` must be a string or a list of token ids (one prompt per "
-                         "request)")
+    raise HTTPError(400, "`prompt` must be a string or a list of token ids (one per request)")
 
 
 def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
@@ -334,24 +318,23 @@ def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
 
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
-                    chat: bool) -> SamplingParams:
-    """SamplingParams from the body's OpenAI fields over the defaults, checked with the prompt:
-    the one check a served request gets (the engine trusts it). A 400 if it cannot run."""
-    fields = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
+                    chat: bool) -> list[SamplingParams]:
+    """Each choice's SamplingParams: the body's OpenAI fields over the defaults, checked with the
+    prompt (a served request's one check: the engine trusts it). A 400 if it cannot run."""
+    given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
     # by default, up to the end of the context (as OpenAI and vLLM do)
     max_tokens = asked[0] if asked else max(1, room)
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **fields)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **given)
         engine.check_prompt(ids, params)
     except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
     if params.max_tokens > room:
-        raise HTTPError(400, f"the context is {engine.max_model_len} tokens: the prompt has "
-                             f"{len(ids)} and max_tokens asks for {params.max_tokens} more; ask "
-                             f"for at most {room}", "context_length_exceeded")
-    return params
+        raise HTTPError(400, f"{len(ids)} prompt tokens in a {engine.max_model_len}-token context: "
+                             f"max_tokens can be {room} at most", "context_length_exceeded")
+    return per_choice_params(body, params)
 
 
 def num_logprobs(body: dict, chat: bool) -> int | None:
@@ -369,7 +352,7 @@ def per_choice_params(body: dict, params: SamplingParams) -> list[SamplingParams
     if not (type(n) is int and 1 <= n <= MAX_CHOICES):
         raise HTTPError(400, f"`n` must be an integer in [1, {MAX_CHOICES}]")
     seeds = [None] * n if params.seed is None else [(params.seed + i) % 2**64 for i in range(n)]
-    return [dataclasses.replace(params, seed=seed) for seed in seeds]
+    return [replace(params, seed=seed) for seed in seeds]
 
 
 # ---------------------------------------------------------------- answers: OpenAI's objects
@@ -407,18 +390,17 @@ class Reply:
         return {"index": index, **content, "logprobs": shaped, "finish_reason": finish_reason}
 
     def chunk(self, delta: ChoiceDelta, role: bool = False) -> dict:
-        usage = {"usage": None} if self.include_usage else {}
         text = {"content": delta.text} if delta.text else {}
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
-        return self._object([choice], **usage)
+        return self._object([choice], **({"usage": None} if self.include_usage else {}))
 
     def usage_chunk(self, finished: list[ChoiceDelta]) -> dict:
         return self._object([], usage=self._usage(finished))
 
-    def _usage(self, finished: list[ChoiceDelta]) -> dict:
-        completion = sum(e.completion_tokens for e in finished)
+    def _usage(self, deltas: list[ChoiceDelta]) -> dict:
+        completion = sum(e.completion_tokens for e in deltas if e.finish_reason)
         return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
                 "total_tokens": self.num_prompt + completion}
 
@@ -432,8 +414,7 @@ class Reply:
             message = {"role": "assistant", "content": text}
             content = {"message": message} if self.chat else {"text": text}
             out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
-        finished = [e for e in deltas if e.finish_reason]
-        return self._object(out, whole=True, usage=self._usage(finished))
+        return self._object(out, whole=True, usage=self._usage(deltas))
 
 
 def chat_logprobs(tokens: list, tokenizer) -> dict:
@@ -449,10 +430,9 @@ def chat_logprobs(tokens: list, tokenizer) -> dict:
 def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
     """OpenAI's completions shape: lists of tokens, their logprobs, top alternatives, offsets."""
     texts = [tokenizer.decode([t]) for t, _ in tokens]
-    offsets = list(itertools.accumulate(map(len, texts), initial=start))[:-1]
     return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
             "top_logprobs": [{tokenizer.decode([i]): v for i, v in top} for _, (_, top) in tokens],
-            "text_offset": offsets}
+            "text_offset": list(itertools.accumulate(map(len, texts), initial=start))[:-1]}
 
 
 # ---------------------------------------------------------------- HTTP
@@ -483,8 +463,7 @@ class Handler(BaseHTTPRequestHandler):
             length = self._content_length()
             # say so now: the client may wait for us before it sends the body
             if length > MAX_BODY_BYTES:
-                self._send_error(HTTPError(413, f"the body has {length} bytes; the limit: "
-                                                f"{MAX_BODY_BYTES}"))
+                self._send_error(HTTPError(413, f"{length} bytes; the limit is {MAX_BODY_BYTES}"))
                 return self._discard(length)
             if path not in ROUTES:
                 raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
@@ -493,8 +472,10 @@ class Handler(BaseHTTPRequestHandler):
             if self.command == "OPTIONS":  # a browser's CORS preflight: no key, no body
                 preflight = {"Allow": f"{method}, OPTIONS", **self._preflight(method)}
                 return self._send(204, b"", None, preflight)
-            if self.server.api_key and path not in OPEN_PATHS:
-                self._authenticate()
+            keyed = self.server.api_key and path not in OPEN_PATHS
+            given = self.headers.get("Authorization", "").encode()
+            if keyed and not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
+                raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
             if self.command != method:
                 raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
             if self.server.engine is None and path != "/health":
@@ -506,17 +487,10 @@ class Handler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _dispatch
 
-    def _authenticate(self) -> None:
-        given = self.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
-            raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer "
-                                 "<key>'", "invalid_api_key")
-
     def _allowed_origin(self) -> str | None:
         """What Access-Control-Allow-Origin tells this request's Origin; None: not allowed."""
         # no headers yet when the request line itself was bad
-        headers = getattr(self, "headers", None)
-        origin = headers.get("Origin") if headers else None
+        origin = getattr(self, "headers", {}).get("Origin")
         allowed = self.server.allowed_origins
         if origin is not None and "*" in allowed:
             return "*"
@@ -538,8 +512,6 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Access-Control-Expose-Headers", "X-Request-Id")
             self.send_header("Vary", "Origin")
         super().end_headers()
-
-    # ---- endpoints
 
     def health(self) -> None:
         state = self.server.state
@@ -565,13 +537,12 @@ class Handler(BaseHTTPRequestHandler):
         """Snapshots of the engine (live.py), one server-sent event each, while the viewer stays."""
         self._start_events()
         with self.server.live.watching() as version:
-            self.server.loop.watch()
-            try:
+            # on the engine thread, which this wakes: an idle one then publishes snapshots too
+            self.server.loop.inbox.put(self.server.live.restart)
+            with suppress(OSError):  # the viewer left
                 while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
                     version = snapshot["version"]
                     self._sse(snapshot)
-            except OSError:  # the viewer left
-                pass
 
     def engine_burst(self) -> None:
         """The page's burst, sent from here: a browser holds only six connections to one server."""
@@ -600,15 +571,12 @@ class Handler(BaseHTTPRequestHandler):
                               "tokens": ids, "token_strs": strs})
 
     def detokenize(self) -> None:
-        """vLLM's /detokenize: token ids to text."""
         tokens = self._read_json().get("tokens")
         vocab = self.server.engine.config.vocab_size
         ids = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
         if not (ids and all(0 <= t < vocab for t in tokens)):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self._send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
-
-    # ---- generation: the body's checks, the engine thread, then one stream or one answer
 
     def _generate(self, chat: bool) -> None:
         body = self._read_json()
@@ -620,7 +588,7 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
         include_usage = stream and flag(options, "include_usage")
-        params = per_choice_params(body, sampling_params(body, ids, server.engine, server.defaults, chat))
+        params = sampling_params(body, ids, server.engine, server.defaults, chat)
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                       server.engine.tokenizer, len(ids), params[0].logprobs is not None,
@@ -654,7 +622,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._sse(delta.error.body())
                 break
             if delta.text or delta.logprobs:
-                self._sse(reply.chunk(dataclasses.replace(delta, finish_reason=None)))
+                self._sse(reply.chunk(replace(delta, finish_reason=None)))
             # the finish in a chunk of its own, as OpenAI sends it
             if delta.finish_reason:
                 self._sse(reply.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason)))
@@ -692,8 +660,6 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(b": keep-alive\n\n")
                 quiet_since = time.monotonic()
 
-    # ---- reading and writing
-
     def _content_length(self) -> int:
         length = self.headers.get("Content-Length", "0")
         if not (length.isascii() and length.isdigit()):
@@ -713,21 +679,15 @@ class Handler(BaseHTTPRequestHandler):
         """After a 413: read and drop what the client still sends, so that it reads our answer."""
         left = min(size, DRAIN_LIMIT_BYTES)
         self.connection.settimeout(DRAIN_IDLE_S)
-        try:
+        with suppress(OSError):  # it sends nothing more: done
             while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
                 left -= len(chunk)
-        except OSError:  # it sends nothing more: done
-            pass
 
     def _start_events(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        # nginx: pass each chunk on at once
-        self.send_header("X-Accel-Buffering", "no")
-        self.send_header("Connection", "close")
-        self.end_headers()
         self.close_connection = True
+        # X-Accel-Buffering: nginx passes each chunk on at once
+        self._start(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                          "X-Accel-Buffering": "no", "Connection": "close"})
 
     def _sse(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -737,13 +697,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, data: bytes, content_type: str | None,
               headers: dict | None = None) -> None:
+        self._start(status, {"Content-Type": content_type, "Content-Length": str(len(data)),
+                             **(headers or {})})
+        self.wfile.write(data)
+
+    def _start(self, status: int, headers: dict) -> None:
         self.send_response(status)
-        standard = {"Content-Type": content_type, "Content-Length": str(len(data))}
-        for name, value in {**standard, **(headers or {})}.items():
+        for name, value in headers.items():
             if value is not None:
                 self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
 
     def _send_error(self, e: HTTPError) -> None:
         self.server.metrics.rejected(e.code)
@@ -759,7 +722,6 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s " + format, self.request_id, self.address_string(), *args)
 
 
-# path -> (method, endpoint): every route the server answers
 ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions),
           "/v1/completions": ("POST", Handler.completions), "/v1/models": ("GET", Handler.models),
           "/tokenize": ("POST", Handler.tokenize), "/detokenize": ("POST", Handler.detokenize),
@@ -811,7 +773,6 @@ class Server(ThreadingHTTPServer):
         return "loading" if self.loop is None else "draining" if self.loop.stopping else "serving"
 
     def attach(self, llm: LLM) -> "Server":
-        """Serve `llm` from now on."""
         self.defaults = {**llm.generation_config, **self.generation_config}
         # a bad override fails here, not in every request
         SamplingParams(**self.defaults)
@@ -831,8 +792,7 @@ class Server(ThreadingHTTPServer):
         """Refuse new requests (503), let those in flight finish for up to `timeout` s, end the rest
         (streams get a last chunk and [DONE]), stop the engine, stop listening: (finished, cut)."""
         if self.loop:
-            with self.loop.lock:
-                self.loop.stopping = True
+            self.loop.stopping = True
         with self.idle:
             busy = self.num_in_flight
             self.idle.wait_for(lambda: self.num_in_flight == 0, timeout)
@@ -857,10 +817,8 @@ class Server(ThreadingHTTPServer):
                 self.idle.notify_all()
 
 
-def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000,
-                **options) -> Server:
-    """A server for `llm` (None: until `attach`) on host:port (0: any free); `.start()` it.
-    `generation_config` (a Server option) overrides the model's sampling defaults."""
+def make_server(llm: LLM | None, host: str = "127.0.0.1", port: int = 8000, **options) -> Server:
+    """A Server (see its options) for `llm` (None: until `attach`) on host:port (0: any free)."""
     server = Server(host, port, **options)
     return server.attach(llm) if llm is not None else server
 
@@ -880,27 +838,24 @@ def json_object(text: str) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible "
                                 f"server: {', '.join(ROUTES)} (/ watches the engine live).")
-    p.add_argument("--ckpt", help="checkpoint folder (safetensors) or .gguf file (default: the "
-                   f"demo {DEMO_MODEL_ID}, downloaded once)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0: every "
-                   "interface (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model's names in "
-                   "the API, the first in answers (default: the checkpoint's name)")
-    p.add_argument("--chat-template", type=Path, metavar="FILE",
-                   help="a jinja2 chat template to use instead of the model's own")
+    arg = p.add_argument
+    arg("--ckpt", help=f"safetensors folder or .gguf file (default: {DEMO_MODEL_ID}, downloaded)")
+    arg("--host", default="127.0.0.1", help="0.0.0.0: every interface (default: %(default)s)")
+    arg("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
+    arg("--served-model-name", nargs="+", metavar="NAME", help="the model's names in the API, the "
+        "first in answers (default: the checkpoint's name)")
+    arg("--chat-template", type=Path, metavar="FILE", help="jinja2 template, not the model's own")
     EngineConfig.add_flags(p)
-    p.add_argument("--override-generation-config", type=json_object, default={}, metavar="JSON",
-                   help='sampling defaults over generation_config.json\'s, e.g. '
-                   '\'{"temperature": 0.7}\'')
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
-    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser "
-                   "origins that may call the API (CORS), e.g. http://localhost:3000, or *")
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without "
-                   "a first token beyond which new ones get 503 (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on "
-                   "SIGTERM, seconds in-flight requests may take to finish (default: %(default)s)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    arg("--override-generation-config", type=json_object, default={}, metavar="JSON",
+        help="""sampling defaults over generation_config.json's, e.g. '{"temperature": 0.7}'""")
+    arg("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
+        "may call the API (CORS), e.g. http://localhost:3000, or *")
+    arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
+        "token beyond which new ones get 503 (default: %(default)s)")
+    arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
+        "in-flight requests may take to finish (default: %(default)s)")
+    arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
 

@@ -209,9 +209,10 @@ class Engine:
             logits = self.graphs.run(ids, positions, meta)
         else:
             ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
-            indices = to_device([ends[req] - 1 for req in batch.sampled], torch.long, self.device)
+            last_rows = [ends[req] - 1 for req in batch.sampled]
+            logits_indices = to_device(last_rows, torch.long, self.device)
             # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
-            logits = self.model(ids, positions, self.kv_caches, meta, indices)
+            logits = self.model(ids, positions, self.kv_caches, meta, logits_indices)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
         return tokens

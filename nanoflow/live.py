@@ -1,10 +1,9 @@
 """The live view: what the page at `GET /` (live.html) shows, several times a second.
 
-While a browser watches, the server's engine thread (the only one that touches requests) calls
-`LiveView.observe` after each step; at most every SNAPSHOT_INTERVAL_S it builds a snapshot (a dict:
-a row per request with its reader's buffer, the KV pools, tokens/s, recent preemptions and
-resumes) and hands it to the viewers' connection threads, which send it as a server-sent event.
-A finished request's row stays while its reader still reads its buffer.
+While a browser watches, the engine thread (the only one that touches requests) calls `observe`
+after each step; at most every SNAPSHOT_INTERVAL_S it builds a snapshot (a row per request with its
+reader's buffer, the KV pools, tokens/s, recent preemptions and resumes) for the viewers'
+connection threads, which send it as a server-sent event.
 """
 
 import math
@@ -27,7 +26,6 @@ PAUSED = ("paused on host", "retracted")  # a preempted request's KV waits on ho
 
 
 def page() -> bytes:
-    """live.html, shipped inside the package."""
     return resources.files(__package__).joinpath("live.html").read_bytes()
 
 

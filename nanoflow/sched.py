@@ -4,12 +4,7 @@ A request waits, runs (its prompt in chunks, then one token per step), may be pr
 finishes. Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers
 never stall behind a long prompt), then prompt chunks, then waiting requests while memory allows.
 `Scheduler` is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs:
-- `FCFS`, SGLang's default: admit in arrival order while an estimate of the running requests'
-  growth says memory lasts; when one cannot grow anyway, retract the one with the least output
-  by recompute (drop its KV, prefill it again later).
-- `TokenFlow`: when someone waits, requests whose readers' buffers cover a few switches are
-  preempted (their KV goes to host memory, swap.py) so that newcomers start at once; each comes
-  back, by load or recompute, before its reader runs dry. Past capacity it adds no newcomers.
+`FCFS` (SGLang's default) or `TokenFlow` (buffer-aware preemption), both in docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -140,12 +135,12 @@ class Request:
     generator: torch.Generator | None = None
     read_rate: float = 8.0  # tokens/s, resolved by the engine (params.read_rate, clamped)
     token_times: list[float] = field(default_factory=list)  # when each output token was generated
-    logprobs: list = field(default_factory=list)  # per output token if params.logprobs: model.py
+    logprobs: list = field(default_factory=list)  # per output token: Engine._record_logprobs
+    # when its reader runs out of tokens (docs/scheduling.md); earlier than now if it stalls already
+    dry_at: float = field(init=False)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        # when the reader runs out of tokens (docs/scheduling.md): 1/r after it reads the newest;
-        # earlier than now if it waits already (the earlier, the longer it has stalled)
         reads = read_times(self.token_times, self.read_rate)
         self.dry_at = reads[-1] + 1.0 / self.read_rate if reads else self.arrival_time
 
@@ -225,9 +220,7 @@ class StepRates:
 
 
 class Scheduler:
-    """Queues, KV blocks, swap and the step's budget. Each step the policy may preempt; running
-    requests get their tokens, preempting the policy's victim when the pool cannot grow; then,
-    unless someone was preempted for memory, the policy admits waiting requests."""
+    """The mechanism: queues, KV blocks, swap and each step's token budget; a policy decides."""
 
     def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
                  policy: str | Policy = "tokenflow", swapper: Swapper | None = None,
@@ -295,7 +288,6 @@ class Scheduler:
         return scheduled, budget, short
 
     def step_time(self) -> float:
-        """Estimated seconds of the next decode step of the running requests."""
         return self.rates.decode_time(len(self.running))
 
     def full(self, budget: int) -> bool:
@@ -303,8 +295,7 @@ class Scheduler:
         return budget == 0 or len(self.running) >= self.max_num_seqs
 
     def start(self, req: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
-        """Move req to running (its KV loaded if the policy says so) and schedule its first tokens
-        unless its load is on the way; returns the budget left."""
+        """Move req to running and schedule its first tokens unless its KV is on its way."""
         if req.status == RequestStatus.PREEMPTED:
             self._resume(req)
         if not req.block_table and self.enable_prefix_caching:
@@ -326,7 +317,6 @@ class Scheduler:
         return self.kv.blocks_needed(req.block_table, start + 1)
 
     def blocks_to_decode(self, req: Request) -> int:
-        """Device blocks req needs for all its tokens and the next."""
         return self.kv.blocks_needed(req.block_table, req.num_tokens + 1)
 
     def resumes_by_load(self, req: Request) -> bool:
@@ -334,7 +324,6 @@ class Scheduler:
                 and self.policy.resume_by_load(self, req))
 
     def _resume(self, req: Request) -> None:
-        """Bring back a preempted request's KV by load, or leave it to be recomputed."""
         if self.resumes_by_load(req):
             self.swapper.load(req)
             self.counters["resumes_load"] += 1
@@ -344,8 +333,7 @@ class Scheduler:
         self.counters["resumes_recompute"] += 1
 
     def _match_prefix(self, req: Request) -> None:
-        """Start req after its longest cached run of full blocks, on the device then on host (if
-        loading beats recomputing); its last token is always computed, for the logits."""
+        """Skip req's longest cached prefix (device, then host); its last token is computed."""
         bs = self.kv.block_size
         hashes = self.hashes(req, (req.num_tokens - 1) // bs)
         blocks = self.kv.match_prefix(hashes)
@@ -359,7 +347,6 @@ class Scheduler:
             self.counters["prefix_host_hit_tokens"] += n * bs
 
     def load_beats_recompute(self, num_tokens: int) -> bool:
-        """Would copying this much KV from host (behind queued copies) beat recomputing it?"""
         load = self.swapper.copy_done_in(cdiv(num_tokens, self.kv.block_size))
         return load <= num_tokens / self.rates.prefill_rate
 
@@ -380,8 +367,7 @@ class Scheduler:
             req.num_cached_blocks = full
 
     def _release(self, req: Request, to_host: bool) -> None:
-        """Dequeue req and free its device blocks: evicted to host (if to_host and there is room)
-        or dropped from both pools (blocks shared with others stay theirs)."""
+        """Dequeue req; its KV goes to host (if to_host and it fits) or is dropped."""
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
         if to_host and self.swapper and self.swapper.evict(req):
             return
@@ -391,7 +377,6 @@ class Scheduler:
             self.kv.free(req.block_table)
 
     def preempt(self, req: Request) -> None:
-        """Take req off the device: its KV evicted to host if the policy says so, else dropped."""
         self._release(req, to_host=self.policy.evicts_to_host)
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
@@ -401,7 +386,6 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Take a request out of the queues for good and give back its blocks in both pools."""
         if req.status != RequestStatus.FINISHED:
             if self.enable_prefix_caching and req.status == RequestStatus.RUNNING and loaded(req):
                 # the blocks filled in its last step: after_step would not see it again
@@ -416,8 +400,7 @@ class Scheduler:
             for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
-        # the host pool is the cache's second tier: while the link would idle within a step after
-        # the policy's own copies, fill it with what the link carries in a step
+        # the host pool is the cache's second tier: fill it while the link would idle in a step
         idle_link = self.swapper and self.swapper.async_copies and self.swapper.backlog() < seconds
         if self.enable_prefix_caching and idle_link:
             self.swapper.write_through(self.running, self.swapper.blocks_in(seconds))
@@ -433,8 +416,7 @@ def loaded(req: Request) -> bool:
 
 @dataclass
 class FCFSConfig:
-    """SGLang's admission estimate (`new_token_ratio`: the share of a request's remaining
-    max_tokens kept free for it): optimistic, decaying, reset from what ran by a retraction."""
+    """SGLang's admission estimate: `new_token_ratio` of each request's max_tokens is kept free."""
 
     init_new_token_ratio: float = 0.7  # SGLang's default start
     min_new_token_ratio: float = 0.1  # ...and its floor (SGLang: 0.14 of the start)
@@ -444,8 +426,7 @@ class FCFSConfig:
 
 
 class FCFS:
-    """The baseline (SGLang's default): admit in arrival order while the estimate says memory
-    lasts; when the pool runs out, retract the one with the least output by recompute."""
+    """The baseline (SGLang's default, docs/scheduling.md), and the interface of every policy."""
 
     evicts_to_host = False
 
@@ -538,11 +519,7 @@ ARRIVAL_REBALANCE_SHARE = 0.1
 
 
 class TokenFlow(FCFS):
-    """Buffer-aware preemption on top of the baseline. Every interval, or on an arrival, it keeps
-    the most urgent requests whose KV fits (`urgency`); running ones outside that keep-set whose
-    readers can read through the switches are evicted to host, as many as the members that cannot
-    wait need, and those start first. Newcomers join only within the engine's capacity. Prompt
-    chunks are cut so that no running reader runs dry while a step computes."""
+    """Buffer-aware preemption on top of the baseline: docs/scheduling.md (its steps 1-4)."""
 
     evicts_to_host = True
 
@@ -576,9 +553,7 @@ class TokenFlow(FCFS):
 
     def victims(self, s: Scheduler, now: float,
                 urgency: dict[Request, tuple[int, float]]) -> list[Request]:
-        """Running requests outside the keep-set, least urgent first, until the members that cannot
-        wait (newcomers, readers about to run dry) have blocks and seats, or until the copies (out
-        and back) would busy the link past the next rebalance: switching must not outrun it."""
+        """Step 4: running requests outside the keep-set, least urgent first, while needed."""
         joining = [r for r in self.joining if urgency[r][0] < 2]
         blocks = sum(s.blocks_to_decode(r) for r in joining) - s.kv.num_free
         blocks += self.growth_blocks(s, itertools.chain(s.running, joining))
@@ -597,8 +572,7 @@ class TokenFlow(FCFS):
         return out
 
     def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
-        """Requests the device holds at their mean size over the rest of their lives: capacity
-        must not be promised on memory that growth takes back."""
+        """Requests the device holds at their mean size over the rest of their lives."""
         if not started:
             return float(s.max_num_seqs)
         clip = self.fcfs.clip_max_new_tokens
@@ -625,8 +599,7 @@ class TokenFlow(FCFS):
         return members
 
     def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
-        """Sort key, most urgent first: readers that run dry before they could be back (the longest
-        stalled first), newcomers by arrival, the rest by when they run dry."""
+        """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""
         if not req.started:
             return 1, req.arrival_time
         slack = req.dry_at - now
@@ -656,8 +629,7 @@ class TokenFlow(FCFS):
         return self.config.interval / s.step_time()
 
     def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
-        """Its reader can stay off for mu - 1 switches before it must be back (`lead`), it has not
-        moved within an interval, and it would not finish within one anyway."""
+        """May req leave the device now (step 4)? Its reader must read through mu switches."""
         settled = req.started and now - req.last_moved >= self.config.interval
         if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:
             return False
@@ -676,8 +648,7 @@ class TokenFlow(FCFS):
         return switch + self.config.interval + s.step_time()
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """A reader that can wait through a switch, else the newest newcomer, else the most
-        buffered reader."""
+        """A reader that can wait a switch, else the newest newcomer, else the most buffered."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
         if can_wait:
             return max(can_wait, key=lambda r: r.dry_at)
@@ -706,13 +677,10 @@ class TokenFlow(FCFS):
         super().admit(s, scheduled, budget, now)
 
     def blocks_to_admit(self, s: Scheduler, req: Request) -> int:
-        """Free device blocks a member needs to start: its own, and room to grow (growth_blocks)."""
         return s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
 
     def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
-        """Blocks to keep free for what reqs add until the next rebalance, once the host pool could
-        not take the device's contents: starting into a full pool pushes someone out, and such
-        swaps feed each other until the host pool is full and each push-out is a recompute."""
+        """Room for what reqs add until the next rebalance, once host is short (docs/scheduling)."""
         if not s.swapper or s.swapper.host.num_free >= s.kv.num_used:
             return 0
         growth = self.growth(s)
@@ -725,7 +693,6 @@ class TokenFlow(FCFS):
                 if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval)
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
-        """Load when the copy (behind the queued ones) is estimated faster than recomputing."""
         return s.load_beats_recompute(req.num_host_tokens)
 
     def after_step(self, s: Scheduler) -> None:
@@ -736,8 +703,7 @@ class TokenFlow(FCFS):
             s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))
 
     def under_pressure(self, s: Scheduler) -> bool:
-        """May a preemption come (write-through pays)? Someone waits, or the pool is nearly full
-        and copies run beside compute (on CPU they steal it)."""
+        """May a preemption come? Someone waits, or the pool is nearly full and copies are async."""
         nearly_full = s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
         return bool(s.waiting) or (s.swapper.async_copies and nearly_full)
 

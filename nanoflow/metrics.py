@@ -19,8 +19,7 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s r
 
 
 def reads(token_times: list[float], rate: float) -> Iterator[tuple[float, float]]:
-    """The reader model, in one place: each token's read time, and how long the reader waited for
-    it past its due time, 1/r after the read before (the first token waits for nothing)."""
+    """The reader model: each token's read time, and how long past its due time it was read."""
     due = float("-inf")
     for made in token_times:
         read = max(made, due)
@@ -62,8 +61,6 @@ def qoe(arrival: float, token_times: list[float], rate: float,
 
 @dataclass
 class RequestRecord:
-    """What the metrics need of one finished request."""
-
     arrival: float
     token_times: list[float]
     rate: float
@@ -132,9 +129,8 @@ class Metrics:
                               TTFT_BUCKETS)
         self.tbt = Histogram("nanoflow_time_between_tokens_seconds",
                              "Gap between consecutive tokens.", TBT_BUCKETS)
-        self.rebuffer = Histogram("nanoflow_rebuffer_seconds",
-                                  "Time a request's reader stalled (docs/scheduling.md).",
-                                  TTFT_BUCKETS)
+        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled "
+                                  "(docs/scheduling.md).", TTFT_BUCKETS)
 
     def rejected(self, code: str) -> None:
         with self.lock:

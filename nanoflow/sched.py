@@ -1,10 +1,9 @@
 """Requests and the scheduler: who runs in the next engine step, with how many tokens, who waits.
 
-A request waits, runs (its prompt in chunks, then one token per step), may be preempted, and
-finishes. Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers
-never stall behind a long prompt), then prompt chunks, then waiting requests while memory allows.
-`Scheduler` is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs:
-`FCFS` (SGLang's default) or `TokenFlow` (buffer-aware preemption), both in docs/scheduling.md.
+Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers never stall
+behind a long prompt), then prompt chunks, then waiting requests while memory allows. `Scheduler`
+is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs and who is
+preempted: `FCFS` (SGLang's default) or `TokenFlow` (buffer-aware), both in docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -187,8 +186,7 @@ class StepRates:
     """What the engine has measured, for the policies' estimates (EMAs of recent steps)."""
 
     prefill_rate: float = 2000.0  # prompt tokens/s on mostly-prefill steps (a guess until measured)
-    # the decode part of each step (its time less its prompt tokens' share) as moving averages of
-    # (batch, seconds, batch^2, batch x seconds): a line through them gives a decode step's time
+    # EMAs of (batch, seconds, batch^2, batch x seconds) of each step's decode part, for a fit line
     decode_moments: tuple[float, float, float, float] = (1.0, 0.05, 1.0, 0.05)
     ema: float = 0.2
     seen: Counter = field(default_factory=Counter)
@@ -198,8 +196,7 @@ class StepRates:
             self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
         decoding = seconds - prefill_tokens / self.prefill_rate
         if decode_tokens and decoding > 0:
-            b = decode_tokens
-            moments = (b, decoding, b * b, b * decoding)
+            moments = (decode_tokens, decoding, decode_tokens**2, decode_tokens * decoding)
             self.decode_moments = self._ema("decode", self.decode_moments, moments)
 
     def decode_time(self, batch: float) -> float:
@@ -291,7 +288,6 @@ class Scheduler:
         return self.rates.decode_time(len(self.running))
 
     def full(self, budget: int) -> bool:
-        """No token budget left this step, or no seat for another request."""
         return budget == 0 or len(self.running) >= self.max_num_seqs
 
     def start(self, req: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
@@ -531,8 +527,6 @@ class TokenFlow(FCFS):
         self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
         self.overloaded = False  # the started readers alone ask for more than the engine makes
 
-    # ------------------------------------------------------------ when and whom to preempt
-
     def preemptions(self, s: Scheduler, now: float) -> list[Request]:
         """The running requests that leave the device now to make room for more urgent ones."""
         since = now - self.last_rebalance
@@ -666,22 +660,18 @@ class TokenFlow(FCFS):
         prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
 
-    # ------------------------------------------------------------ admission and resumption
-
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
         """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
         for req in [r for r in self.joining if r.status in WAITING_STATES]:
-            if s.full(budget) or self.blocks_to_admit(s, req) > s.kv.num_free:
+            need = s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
+            if s.full(budget) or need > s.kv.num_free:
                 return  # while a member waits for memory, nobody outside the keep-set may take it
             budget = s.start(req, scheduled, budget, now)
         super().admit(s, scheduled, budget, now)
 
-    def blocks_to_admit(self, s: Scheduler, req: Request) -> int:
-        return s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
-
     def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
         """Room for what reqs add until the next rebalance, once host is short (docs/scheduling)."""
-        if not s.swapper or s.swapper.host.num_free >= s.kv.num_used:
+        if not s.swapper or s.swapper.host.num_free >= s.kv.num_blocks - s.kv.num_free:
             return 0
         growth = self.growth(s)
         tokens = sum(min(r.num_tokens_left, growth) for r in reqs)

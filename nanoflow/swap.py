@@ -1,8 +1,7 @@
 """Host KV memory and the copies that make preemption nearly free (TokenFlow's proactive KV).
 
-A host pool in CPU memory (pinned on CUDA) has the device pool's block layout (kv.py). Blocks that
-running requests have just filled are written through to it after a step, so preempting a request
-(sched.py) copies only its unsynced tail; resuming it loads its blocks into fresh device blocks.
+A host pool (kv.py's layout, in CPU memory) takes the blocks running requests fill, after a step,
+so preempting a request copies only its unsynced tail; resuming loads it into fresh device blocks.
 Full blocks keep their prefix-cache hashes on host (a second cache tier). On CUDA copies run on a
 side stream through two staging buffers (docs/design.md); on CPU every copy completes at once.
 """
@@ -23,8 +22,7 @@ BANDWIDTH_EMA = 0.2  # weight of the newest measurement in the running estimate
 
 @dataclass(eq=False)
 class Transfer:
-    """A chunk in flight. `finish` never holds the Swapper: a Transfer outlives its copy
-    (`last_use`), and a cycle would keep both KV pools alive after their engine is gone."""
+    """A chunk in flight; `finish` never holds the Swapper (a cycle would keep both pools alive)."""
 
     nbytes: int
     finish: Callable[[], None]
@@ -53,8 +51,6 @@ class Swapper:
         self.queued_bytes = 0  # issued and not finished yet
         self.bandwidth = BANDWIDTH_GUESS["cuda" if self.on_cuda else "cpu"]
         self.counters: Counter[str] = Counter()
-
-    # ------------------------------------------------------------ what the scheduler calls
 
     def write_through(self, reqs: list, max_blocks: int) -> None:
         """Copy reqs' filled, unsynced blocks to host, in order; host-cached ones are shared."""

@@ -1,15 +1,10 @@
 """The paged KV pool: fixed-size blocks of KV memory, handed to requests as they grow.
 
-One tensor holds every block, block-major: `[num_blocks, num_layers, 2, block_size, num_kv_heads,
-head_dim]`, so a block (all layers, K and V) is one contiguous span and moves to host memory in one
-copy (swap.py); layers read it through strided views. A request's `block_table` lists its blocks:
-token i lives in slot `block_table[i // block_size] * block_size + i % block_size`. The scheduler
-asks the pool for room; the runner asks it for the step's `slot_mapping` and `block_tables`.
-
-Prefix caching: a full block is named by a hash chained over its tokens and its parent's hash, so
-equal prefixes have equal hashes. Blocks are reference-counted; a full block whose count drops to
-zero stays cached (LRU, first to go when a request needs memory), and a new request whose prompt
-starts with cached blocks takes a reference to them instead of computing them again.
+One tensor holds every block, block-major (docs/design.md, KV layout). A request's `block_table`
+lists its blocks; the scheduler asks the pool for room, and `Engine.run` gets the step's
+`slot_mapping` and `block_tables` from `build_metadata`. Prefix caching: a full block is named by a
+hash chained over its tokens and its parent's; blocks are reference-counted, and one nobody
+references stays cached (LRU) for prompts that start with it.
 """
 
 import itertools
@@ -24,15 +19,11 @@ from .attention import AttnMetadata, cdiv
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> int:
-    """One block's memory: K and V of every layer."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 class KVPool:
-    """KV memory and its block allocator: the device pool, or the host pool (swap.py) in CPU
-    memory. Free + referenced + cached + pending == num_blocks; cached blocks (full, hashed,
-    unreferenced) count as free but are taken last; a block freed while a transfer may still use
-    it waits in `pending_free` until the transfer's event completes."""
+    """KV memory and its block allocator: cached blocks count as free but are taken last."""
 
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, host: bool = False):
@@ -51,11 +42,10 @@ class KVPool:
         self.block_hash: dict[int, int] = {}  # block -> hash, for full blocks whose KV is computed
         self.cached: dict[int, int] = {}  # hash -> block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []
+        self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []  # a copy still reads them
 
     def _pin(self) -> None:
-        """Page-lock exactly this pool until it is collected (pin_memory=True rounds up to a power
-        of two: 100 GiB would pin 128)."""
+        """Page-lock exactly this pool (pin_memory=True rounds up to a power of two)."""
         cudart = torch.cuda.cudart()
         ptr = self.kv_cache.data_ptr()
         nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
@@ -72,16 +62,10 @@ class KVPool:
     def num_free(self) -> int:
         return len(self.free_blocks) + len(self.evictable)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
-        """How many more blocks a table needs to hold num_tokens tokens."""
         return max(0, cdiv(num_tokens, self.block_size) - len(block_table))
 
     def num_full(self, block_table: list[int], num_tokens: int) -> int:
-        """Blocks of the table that num_tokens fill."""
         return min(num_tokens // self.block_size, len(block_table))
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
@@ -103,9 +87,7 @@ class KVPool:
         return block
 
     def free(self, block_table: list[int], after: torch.cuda.Event | None = None) -> None:
-        """Drop the table's references; blocks nobody holds any more return to the pool, at once or
-        once the transfer that `after` marks has completed. The tail goes first, so that the LRU
-        evicts a prefix's last blocks before its first."""
+        """Drop references; unheld blocks return, tail first (for the LRU), once `after` is done."""
         for block in block_table:
             self.ref_cnt[block] -= 1
         released = [block for block in reversed(block_table) if self.ref_cnt[block] == 0]
@@ -148,7 +130,6 @@ class KVPool:
                 self.cached[h] = block
 
     def release_pending(self) -> None:
-        """Blocks whose transfers have completed become free again."""
         done = [(e, b) for e, b in self.pending_free if e.query()]
         for item in done:
             self.pending_free.remove(item)
@@ -156,8 +137,7 @@ class KVPool:
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list on the device without blocking the host (torch.tensor(..., device=)
-    waits for the stream, and so does a non_blocking copy from pageable memory)."""
+    """A small host list on the device through pinned memory, so that the host does not wait."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
@@ -165,8 +145,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
 def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
                    num_decodes: int, block_size: int,
                    device: torch.device) -> tuple[AttnMetadata, Tensor]:
-    """Attention metadata and positions for one flat batch: sequence i adds query_lens[i] tokens
-    at positions num_computed[i] onwards, which its block table already covers."""
+    """Attention metadata and positions: sequence i adds query_lens[i] tokens at num_computed[i]."""
     positions, slots = [], []
     for table, start, n in zip(block_tables, num_computed, query_lens):
         for pos in range(start, start + n):

@@ -1,10 +1,8 @@
 """The live view: what the page at `GET /` (live.html) shows, several times a second.
 
-While a browser watches, the server's engine thread (the only one that touches requests) calls
-`LiveView.observe` after each step; at most every SNAPSHOT_INTERVAL_S it builds a snapshot (a dict:
-a row per request with its reader's buffer, the KV pools, tokens/s, recent preemptions and
-resumes) and hands it to the viewers' connection threads, which send it as a server-sent event.
-A finished request's row stays while its reader still reads its buffer.
+While a browser watches, the engine thread (the only one that touches requests) builds a snapshot
+after a step, at most every SNAPSHOT_INTERVAL_S (a row per request with its reader's buffer, the KV
+pools, tokens/s, recent preemptions and resumes), and the viewers' threads send it as an SSE event.
 """
 
 import math
@@ -27,12 +25,11 @@ PAUSED = ("paused on host", "retracted")  # a preempted request's KV waits on ho
 
 
 def page() -> bytes:
-    """live.html, shipped inside the package."""
     return resources.files(__package__).joinpath("live.html").read_bytes()
 
 
 class LiveView:
-    """Snapshots of the engine for the viewers connected now; thread-safe through one condition."""
+    """Snapshots: the engine thread builds them, viewers' threads wait for them (one condition)."""
 
     def __init__(self, engine: Engine, model: str):
         self.engine = engine
@@ -47,8 +44,6 @@ class LiveView:
         self.draining: dict[str, Request] = {}  # finished, their readers still reading
         self.states: dict[str, str] = {}  # each request's state in the last snapshot
         self.events: deque[dict] = deque(maxlen=RECENT_EVENTS)
-
-    # ---- the viewers' side (connection threads)
 
     @contextmanager
     def watching(self) -> Iterator[int]:
@@ -72,8 +67,6 @@ class LiveView:
         with self.changed:
             self.closed = True
             self.changed.notify_all()
-
-    # ---- the engine thread's side
 
     def restart(self) -> None:
         """A viewer arrived: publish after the next step, counting tokens/s afresh."""
@@ -113,14 +106,13 @@ class LiveView:
 
     def _note_events(self, reqs: list[Request], rows: list[dict]) -> None:
         """Turn each request's change of state since the last snapshot into an event."""
-        states = {row["id"]: row["state"] for row in rows}
         for req, row in zip(reqs, rows):
             before = self.states.get(row["id"])
             if row["state"] in PAUSED and before not in PAUSED:
                 self._event(row, f"{row['state']} with {row['buffer_s'] or 0:.1f} s of buffer")
             elif before in PAUSED and row["state"] not in PAUSED:
                 self._event(row, f"resumed by {'load' if req.num_host_tokens else 'recompute'}")
-        self.states = states
+        self.states = {row["id"]: row["state"] for row in rows}
 
     def _event(self, row: dict, what: str) -> None:
         self.events.append({"time": time.time(), "id": row["id"], "what": what})
@@ -135,8 +127,7 @@ def request_state(req: Request) -> str:
 
 
 def request_row(req: Request, now: float) -> dict:
-    """One request as the page shows it; its buffer is the tokens its reader has not read yet:
-    reading one token every 1/r s until `dry_at`, (dry_at - now) * r - 1 are still unread."""
+    """One request as the page shows it; its reader has (dry_at - now) * r - 1 tokens unread."""
     lead = req.dry_at - now
     return {"id": req.request_id, "state": request_state(req), "read_rate": req.read_rate,
             "ttft": req.record().ttft if req.started else None,
@@ -147,8 +138,7 @@ def request_row(req: Request, now: float) -> dict:
 
 
 def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], SamplingParams]]:
-    """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}; prompts are
-    random token ids, outputs exactly output_len long."""
+    """The page's burst: {"prompt_len", "output_len", "read_rates": one per request}."""
     rates = body.get("read_rates")
     lengths = (body.get("prompt_len"), body.get("output_len"))
     if not isinstance(rates, list) or not 1 <= len(rates) <= MAX_BURST:
@@ -158,11 +148,10 @@ def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], Sampling
     prompt_len, output_len = lengths
     if prompt_len + output_len > engine.max_model_len:
         raise ValueError(f"prompt_len + output_len must fit the context: {engine.max_model_len}")
-    rng = random.Random()
     out = []
     for rate in rates:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, read_rate=rate)
-        ids = [rng.randrange(engine.config.vocab_size) for _ in range(prompt_len)]
+        ids = [random.randrange(engine.config.vocab_size) for _ in range(prompt_len)]
         engine.check_prompt(ids, params)
         out.append((ids, params))
     return out

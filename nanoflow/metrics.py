@@ -1,9 +1,7 @@
 """The reader model and the metrics, one implementation for the scheduler, the bench and the server.
 
-A request's reader starts at its first token and reads one token every 1/r seconds, but never a
-token that does not exist yet (docs/scheduling.md): `t_read[j] = max(t_gen[j], t_read[j-1] + 1/r)`.
-Its buffer is what was generated and not yet read. Everything below is a function of the arrival
-time, the generation time of each token and r. At the end: the server's /metrics as Prometheus text.
+Everything below is a function of a request's arrival, its tokens' generation times and its
+reader's rate r (docs/scheduling.md defines the reader and each metric). At the end: /metrics.
 """
 
 import bisect
@@ -21,8 +19,7 @@ TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s r
 
 
 def reads(token_times: list[float], rate: float) -> Iterator[tuple[float, float]]:
-    """The reader model, in one place: each token's read time, and how long the reader waited for
-    it past its due time, 1/r after the read before (the first token waits for nothing)."""
+    """The reader model: each token's read time, and how long past its due time it was read."""
     due = float("-inf")
     for made in token_times:
         read = max(made, due)
@@ -31,7 +28,6 @@ def reads(token_times: list[float], rate: float) -> Iterator[tuple[float, float]
 
 
 def read_times(token_times: list[float], rate: float) -> list[float]:
-    """When the virtual reader reads each token."""
     return [read for read, _ in reads(token_times, rate)]
 
 
@@ -41,8 +37,7 @@ def rebuffer_time(token_times: list[float], rate: float) -> float:
 
 
 def effective_weights(token_times: list[float], rate: float) -> list[float]:
-    """TokenFlow §7.1.3: a token generated while the buffer B is <= 10% of the output length weighs
-    1, falling linearly to 0 at 20%: a token made long before anyone can read it is worth less."""
+    """Each token's weight in the effective throughput (TokenFlow §7.1.3, docs/scheduling.md)."""
     times = read_times(token_times, rate)
     low, high = 0.1 * len(token_times), 0.2 * len(token_times)
     weights = []
@@ -57,9 +52,7 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
 
 def qoe(arrival: float, token_times: list[float], rate: float,
         ttft_target: float = TTFT_TARGET) -> float:
-    """Andes' QoE: 1 - (reading delay past the ideal schedule) / (time from arrival to each read).
-    Token i's ideal read time is arrival + ttft_target + (i-1)/r; reading earlier counts as on time.
-    """
+    """Andes' QoE (docs/scheduling.md); reading before a token's due time counts as on time."""
     times = read_times(token_times, rate)
     late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(times))
     total = sum(t - arrival for t in times)
@@ -68,8 +61,6 @@ def qoe(arrival: float, token_times: list[float], rate: float,
 
 @dataclass
 class RequestRecord:
-    """What the metrics need of one finished request."""
-
     arrival: float
     token_times: list[float]
     rate: float
@@ -138,9 +129,8 @@ class Metrics:
                               TTFT_BUCKETS)
         self.tbt = Histogram("nanoflow_time_between_tokens_seconds",
                              "Gap between consecutive tokens.", TBT_BUCKETS)
-        self.rebuffer = Histogram("nanoflow_rebuffer_seconds",
-                                  "Time a request's reader stalled (docs/scheduling.md).",
-                                  TTFT_BUCKETS)
+        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled "
+                                  "(docs/scheduling.md).", TTFT_BUCKETS)
 
     def rejected(self, code: str) -> None:
         with self.lock:

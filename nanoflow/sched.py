@@ -1,15 +1,9 @@
 """Requests and the scheduler: who runs in the next engine step, with how many tokens, who waits.
 
-A request waits, runs (its prompt in chunks, then one token per step), may be preempted, and
-finishes. Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers
-never stall behind a long prompt), then prompt chunks, then waiting requests while memory allows.
-`Scheduler` is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs:
-- `FCFS`, SGLang's default: admit in arrival order while an estimate of the running requests'
-  growth says memory lasts; when one cannot grow anyway, retract the one with the least output
-  by recompute (drop its KV, prefill it again later).
-- `TokenFlow`: when someone waits, requests whose readers' buffers cover a few switches are
-  preempted (their KV goes to host memory, swap.py) so that newcomers start at once; each comes
-  back, by load or recompute, before its reader runs dry. Past capacity it adds no newcomers.
+Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers never stall
+behind a long prompt), then prompt chunks, then waiting requests while memory allows. `Scheduler`
+is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs and who is
+preempted: `FCFS` (SGLang's default) or `TokenFlow` (buffer-aware), both in docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -140,12 +134,12 @@ class Request:
     generator: torch.Generator | None = None
     read_rate: float = 8.0  # tokens/s, resolved by the engine (params.read_rate, clamped)
     token_times: list[float] = field(default_factory=list)  # when each output token was generated
-    logprobs: list = field(default_factory=list)  # per output token if params.logprobs: model.py
+    logprobs: list = field(default_factory=list)  # per output token: Engine._record_logprobs
+    # when its reader runs out of tokens (docs/scheduling.md); earlier than now if it stalls already
+    dry_at: float = field(init=False)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        # when the reader runs out of tokens (docs/scheduling.md): 1/r after it reads the newest;
-        # earlier than now if it waits already (the earlier, the longer it has stalled)
         reads = read_times(self.token_times, self.read_rate)
         self.dry_at = reads[-1] + 1.0 / self.read_rate if reads else self.arrival_time
 
@@ -192,8 +186,7 @@ class StepRates:
     """What the engine has measured, for the policies' estimates (EMAs of recent steps)."""
 
     prefill_rate: float = 2000.0  # prompt tokens/s on mostly-prefill steps (a guess until measured)
-    # the decode part of each step (its time less its prompt tokens' share) as moving averages of
-    # (batch, seconds, batch^2, batch x seconds): a line through them gives a decode step's time
+    # EMAs of (batch, seconds, batch^2, batch x seconds) of each step's decode part, for a fit line
     decode_moments: tuple[float, float, float, float] = (1.0, 0.05, 1.0, 0.05)
     ema: float = 0.2
     seen: Counter = field(default_factory=Counter)
@@ -203,8 +196,7 @@ class StepRates:
             self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
         decoding = seconds - prefill_tokens / self.prefill_rate
         if decode_tokens and decoding > 0:
-            b = decode_tokens
-            moments = (b, decoding, b * b, b * decoding)
+            moments = (decode_tokens, decoding, decode_tokens**2, decode_tokens * decoding)
             self.decode_moments = self._ema("decode", self.decode_moments, moments)
 
     def decode_time(self, batch: float) -> float:
@@ -225,9 +217,7 @@ class StepRates:
 
 
 class Scheduler:
-    """Queues, KV blocks, swap and the step's budget. Each step the policy may preempt; running
-    requests get their tokens, preempting the policy's victim when the pool cannot grow; then,
-    unless someone was preempted for memory, the policy admits waiting requests."""
+    """The mechanism: queues, KV blocks, swap and each step's token budget; a policy decides."""
 
     def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
                  policy: str | Policy = "tokenflow", swapper: Swapper | None = None,
@@ -295,16 +285,13 @@ class Scheduler:
         return scheduled, budget, short
 
     def step_time(self) -> float:
-        """Estimated seconds of the next decode step of the running requests."""
         return self.rates.decode_time(len(self.running))
 
     def full(self, budget: int) -> bool:
-        """No token budget left this step, or no seat for another request."""
         return budget == 0 or len(self.running) >= self.max_num_seqs
 
     def start(self, req: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
-        """Move req to running (its KV loaded if the policy says so) and schedule its first tokens
-        unless its load is on the way; returns the budget left."""
+        """Move req to running and schedule its first tokens unless its KV is on its way."""
         if req.status == RequestStatus.PREEMPTED:
             self._resume(req)
         if not req.block_table and self.enable_prefix_caching:
@@ -326,7 +313,6 @@ class Scheduler:
         return self.kv.blocks_needed(req.block_table, start + 1)
 
     def blocks_to_decode(self, req: Request) -> int:
-        """Device blocks req needs for all its tokens and the next."""
         return self.kv.blocks_needed(req.block_table, req.num_tokens + 1)
 
     def resumes_by_load(self, req: Request) -> bool:
@@ -334,7 +320,6 @@ class Scheduler:
                 and self.policy.resume_by_load(self, req))
 
     def _resume(self, req: Request) -> None:
-        """Bring back a preempted request's KV by load, or leave it to be recomputed."""
         if self.resumes_by_load(req):
             self.swapper.load(req)
             self.counters["resumes_load"] += 1
@@ -344,8 +329,7 @@ class Scheduler:
         self.counters["resumes_recompute"] += 1
 
     def _match_prefix(self, req: Request) -> None:
-        """Start req after its longest cached run of full blocks, on the device then on host (if
-        loading beats recomputing); its last token is always computed, for the logits."""
+        """Skip req's longest cached prefix (device, then host); its last token is computed."""
         bs = self.kv.block_size
         hashes = self.hashes(req, (req.num_tokens - 1) // bs)
         blocks = self.kv.match_prefix(hashes)
@@ -359,7 +343,6 @@ class Scheduler:
             self.counters["prefix_host_hit_tokens"] += n * bs
 
     def load_beats_recompute(self, num_tokens: int) -> bool:
-        """Would copying this much KV from host (behind queued copies) beat recomputing it?"""
         load = self.swapper.copy_done_in(cdiv(num_tokens, self.kv.block_size))
         return load <= num_tokens / self.rates.prefill_rate
 
@@ -380,8 +363,7 @@ class Scheduler:
             req.num_cached_blocks = full
 
     def _release(self, req: Request, to_host: bool) -> None:
-        """Dequeue req and free its device blocks: evicted to host (if to_host and there is room)
-        or dropped from both pools (blocks shared with others stay theirs)."""
+        """Dequeue req; its KV goes to host (if to_host and it fits) or is dropped."""
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
         if to_host and self.swapper and self.swapper.evict(req):
             return
@@ -391,7 +373,6 @@ class Scheduler:
             self.kv.free(req.block_table)
 
     def preempt(self, req: Request) -> None:
-        """Take req off the device: its KV evicted to host if the policy says so, else dropped."""
         self._release(req, to_host=self.policy.evicts_to_host)
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
@@ -401,7 +382,6 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Take a request out of the queues for good and give back its blocks in both pools."""
         if req.status != RequestStatus.FINISHED:
             if self.enable_prefix_caching and req.status == RequestStatus.RUNNING and loaded(req):
                 # the blocks filled in its last step: after_step would not see it again
@@ -416,8 +396,7 @@ class Scheduler:
             for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
-        # the host pool is the cache's second tier: while the link would idle within a step after
-        # the policy's own copies, fill it with what the link carries in a step
+        # the host pool is the cache's second tier: fill it while the link would idle in a step
         idle_link = self.swapper and self.swapper.async_copies and self.swapper.backlog() < seconds
         if self.enable_prefix_caching and idle_link:
             self.swapper.write_through(self.running, self.swapper.blocks_in(seconds))
@@ -433,8 +412,7 @@ def loaded(req: Request) -> bool:
 
 @dataclass
 class FCFSConfig:
-    """SGLang's admission estimate (`new_token_ratio`: the share of a request's remaining
-    max_tokens kept free for it): optimistic, decaying, reset from what ran by a retraction."""
+    """SGLang's admission estimate: `new_token_ratio` of each request's max_tokens is kept free."""
 
     init_new_token_ratio: float = 0.7  # SGLang's default start
     min_new_token_ratio: float = 0.1  # ...and its floor (SGLang: 0.14 of the start)
@@ -444,8 +422,7 @@ class FCFSConfig:
 
 
 class FCFS:
-    """The baseline (SGLang's default): admit in arrival order while the estimate says memory
-    lasts; when the pool runs out, retract the one with the least output by recompute."""
+    """The baseline (SGLang's default, docs/scheduling.md), and the interface of every policy."""
 
     evicts_to_host = False
 
@@ -538,11 +515,7 @@ ARRIVAL_REBALANCE_SHARE = 0.1
 
 
 class TokenFlow(FCFS):
-    """Buffer-aware preemption on top of the baseline. Every interval, or on an arrival, it keeps
-    the most urgent requests whose KV fits (`urgency`); running ones outside that keep-set whose
-    readers can read through the switches are evicted to host, as many as the members that cannot
-    wait need, and those start first. Newcomers join only within the engine's capacity. Prompt
-    chunks are cut so that no running reader runs dry while a step computes."""
+    """Buffer-aware preemption on top of the baseline: docs/scheduling.md (its steps 1-4)."""
 
     evicts_to_host = True
 
@@ -553,8 +526,6 @@ class TokenFlow(FCFS):
         self.keep: set[Request] = set()
         self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
         self.overloaded = False  # the started readers alone ask for more than the engine makes
-
-    # ------------------------------------------------------------ when and whom to preempt
 
     def preemptions(self, s: Scheduler, now: float) -> list[Request]:
         """The running requests that leave the device now to make room for more urgent ones."""
@@ -576,9 +547,7 @@ class TokenFlow(FCFS):
 
     def victims(self, s: Scheduler, now: float,
                 urgency: dict[Request, tuple[int, float]]) -> list[Request]:
-        """Running requests outside the keep-set, least urgent first, until the members that cannot
-        wait (newcomers, readers about to run dry) have blocks and seats, or until the copies (out
-        and back) would busy the link past the next rebalance: switching must not outrun it."""
+        """Step 4: running requests outside the keep-set, least urgent first, while needed."""
         joining = [r for r in self.joining if urgency[r][0] < 2]
         blocks = sum(s.blocks_to_decode(r) for r in joining) - s.kv.num_free
         blocks += self.growth_blocks(s, itertools.chain(s.running, joining))
@@ -597,8 +566,7 @@ class TokenFlow(FCFS):
         return out
 
     def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
-        """Requests the device holds at their mean size over the rest of their lives: capacity
-        must not be promised on memory that growth takes back."""
+        """Requests the device holds at their mean size over the rest of their lives."""
         if not started:
             return float(s.max_num_seqs)
         clip = self.fcfs.clip_max_new_tokens
@@ -625,8 +593,7 @@ class TokenFlow(FCFS):
         return members
 
     def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
-        """Sort key, most urgent first: readers that run dry before they could be back (the longest
-        stalled first), newcomers by arrival, the rest by when they run dry."""
+        """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""
         if not req.started:
             return 1, req.arrival_time
         slack = req.dry_at - now
@@ -656,8 +623,7 @@ class TokenFlow(FCFS):
         return self.config.interval / s.step_time()
 
     def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
-        """Its reader can stay off for mu - 1 switches before it must be back (`lead`), it has not
-        moved within an interval, and it would not finish within one anyway."""
+        """May req leave the device now (step 4)? Its reader must read through mu switches."""
         settled = req.started and now - req.last_moved >= self.config.interval
         if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:
             return False
@@ -676,8 +642,7 @@ class TokenFlow(FCFS):
         return switch + self.config.interval + s.step_time()
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """A reader that can wait through a switch, else the newest newcomer, else the most
-        buffered reader."""
+        """A reader that can wait a switch, else the newest newcomer, else the most buffered."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
         if can_wait:
             return max(can_wait, key=lambda r: r.dry_at)
@@ -695,25 +660,18 @@ class TokenFlow(FCFS):
         prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
 
-    # ------------------------------------------------------------ admission and resumption
-
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
         """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
         for req in [r for r in self.joining if r.status in WAITING_STATES]:
-            if s.full(budget) or self.blocks_to_admit(s, req) > s.kv.num_free:
+            need = s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
+            if s.full(budget) or need > s.kv.num_free:
                 return  # while a member waits for memory, nobody outside the keep-set may take it
             budget = s.start(req, scheduled, budget, now)
         super().admit(s, scheduled, budget, now)
 
-    def blocks_to_admit(self, s: Scheduler, req: Request) -> int:
-        """Free device blocks a member needs to start: its own, and room to grow (growth_blocks)."""
-        return s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
-
     def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
-        """Blocks to keep free for what reqs add until the next rebalance, once the host pool could
-        not take the device's contents: starting into a full pool pushes someone out, and such
-        swaps feed each other until the host pool is full and each push-out is a recompute."""
-        if not s.swapper or s.swapper.host.num_free >= s.kv.num_used:
+        """Room for what reqs add until the next rebalance, once host is short (docs/scheduling)."""
+        if not s.swapper or s.swapper.host.num_free >= s.kv.num_blocks - s.kv.num_free:
             return 0
         growth = self.growth(s)
         tokens = sum(min(r.num_tokens_left, growth) for r in reqs)
@@ -725,7 +683,6 @@ class TokenFlow(FCFS):
                 if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval)
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
-        """Load when the copy (behind the queued ones) is estimated faster than recomputing."""
         return s.load_beats_recompute(req.num_host_tokens)
 
     def after_step(self, s: Scheduler) -> None:
@@ -736,8 +693,7 @@ class TokenFlow(FCFS):
             s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))
 
     def under_pressure(self, s: Scheduler) -> bool:
-        """May a preemption come (write-through pays)? Someone waits, or the pool is nearly full
-        and copies run beside compute (on CPU they steal it)."""
+        """May a preemption come? Someone waits, or the pool is nearly full and copies are async."""
         nearly_full = s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
         return bool(s.waiting) or (s.swapper.async_copies and nearly_full)
 

@@ -1,17 +1,9 @@
 """Host KV memory and the copies that make preemption nearly free (TokenFlow's proactive KV).
 
-A host pool in CPU memory (pinned on CUDA) has the device pool's block layout (kv.py). Blocks that
-running requests have just filled are written through to it after a step, so preempting a request
-(sched.py) copies only its unsynced tail; resuming it loads its blocks into fresh device blocks.
-Full blocks keep their prefix-cache hashes on host, so the host pool is a second cache tier: a
-prefix the device has dropped comes back by a copy instead of a recompute.
-
-On CUDA the copies run on a side stream: scattered device blocks are gathered into a device
-staging buffer, copied to pinned host memory in one DMA, then scattered into the host pool (loads
-run the other way). Two staging buffers alternate, so the host-side scatter of one chunk overlaps
-the DMA of the next. Events order everything: the side stream waits for the compute that wrote the
-blocks; the compute stream waits only for the loads of requests it is about to run; freed blocks
-return to their pool once the copies reading them are done. On CPU every copy completes at once.
+A host pool (kv.py's layout, in CPU memory) takes the blocks running requests fill, after a step,
+so preempting a request copies only its unsynced tail; resuming loads it into fresh device blocks.
+Full blocks keep their prefix-cache hashes on host (a second cache tier). On CUDA copies run on a
+side stream through two staging buffers (docs/design.md); on CPU every copy completes at once.
 """
 
 import time
@@ -30,9 +22,7 @@ BANDWIDTH_EMA = 0.2  # weight of the newest measurement in the running estimate
 
 @dataclass(eq=False)
 class Transfer:
-    """One chunk in flight: its size, the events around its DMA, the host-side work after it.
-    `finish` holds tensors, never the Swapper: a Transfer outlives its copy in `last_use`, and a
-    cycle back would keep both KV pools alive after their engine is gone."""
+    """A chunk in flight; `finish` never holds the Swapper (a cycle would keep both pools alive)."""
 
     nbytes: int
     finish: Callable[[], None]
@@ -62,11 +52,8 @@ class Swapper:
         self.bandwidth = BANDWIDTH_GUESS["cuda" if self.on_cuda else "cpu"]
         self.counters: Counter[str] = Counter()
 
-    # ------------------------------------------------------------ what the scheduler calls
-
     def write_through(self, reqs: list, max_blocks: int) -> None:
-        """Copy the filled, unsynced blocks of `reqs` (most likely preempted first) to host;
-        blocks the host has cached already are shared, not copied."""
+        """Copy reqs' filled, unsynced blocks to host, in order; host-cached ones are shared."""
         bs = self.device.block_size
         for req in reqs:
             start = req.num_host_tokens // bs
@@ -94,8 +81,7 @@ class Swapper:
         return True
 
     def _copy_out(self, req, start: int, num_tokens: int) -> bool:
-        """Copy req's blocks from `start` on, up to num_tokens, to host, full ones with their
-        hashes; False (nothing copied) if the host pool is full."""
+        """Copy req's blocks from `start` up to num_tokens to host; False if the host is full."""
         if not self.host.grow(req.host_block_table, num_tokens):
             return False
         bs = self.device.block_size
@@ -116,8 +102,7 @@ class Swapper:
         return True
 
     def load_prefix(self, req, hashes: list[int], worth: Callable[[int], bool]) -> int:
-        """Load the leading blocks of `hashes` cached on host after req's device KV, if
-        worth(their tokens); returns how many blocks it loads."""
+        """Load the leading blocks of `hashes` cached on host, if worth(their tokens); how many."""
         bs = self.device.block_size
         host_blocks = self.host.match_prefix(hashes)
         n = len(host_blocks)
@@ -131,8 +116,7 @@ class Swapper:
         return n
 
     def _load(self, req, host_ids: list[int], dev_ids: list[int]) -> None:
-        """Copy host blocks into req's device blocks, once the copies on their way to host are done
-        (they may carry these blocks); the step that runs req waits for this one."""
+        """Copy host blocks into req's, after the copies to host (they may carry these blocks)."""
         self._drain()
         req.load_event = self._to_device(host_ids, dev_ids)
 
@@ -142,7 +126,6 @@ class Swapper:
         req.num_host_tokens = 0
 
     def release(self, req) -> None:
-        """Give back everything req holds in both pools."""
         self.device.free(req.block_table, after=self.pending_event())
         self.forget(req)
 
@@ -151,11 +134,9 @@ class Swapper:
         return self.queued_bytes / self.bandwidth
 
     def transfer_time(self, num_blocks: int) -> float:
-        """Estimated seconds to copy num_blocks blocks, once the link is free."""
         return num_blocks * self.block_bytes / self.bandwidth
 
     def copy_done_in(self, num_blocks: int) -> float:
-        """Estimated seconds until a copy of num_blocks blocks, queued now, is done."""
         return self.backlog() + self.transfer_time(num_blocks)
 
     def blocks_in(self, seconds: float) -> int:
@@ -215,7 +196,7 @@ class Swapper:
         return to_device(ids, torch.int64, self.device.kv_cache.device)
 
     def _claim_slot(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next staging pair (device, host) for num_blocks, once its last transfer is done."""
+        """The next staging pair (device, host), once its last transfer is done."""
         self.slot ^= 1
         while self.last_use[self.slot] in self.in_flight:
             self._finish_oldest()

@@ -87,13 +87,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's part of a tensor-parallel model: rank `rank` of `size`, Megatron's layout.
-
-    Column-parallel weights (q/k/v, gate/up, the vocabulary rows of embed_tokens and lm_head) keep
-    a contiguous range of output rows; row-parallel ones (o_proj, down_proj) the matching input
-    columns, and their partial outputs are summed over the ranks. With fewer KV heads than ranks,
-    each rank keeps the one KV head its query heads read (replicated).
-    """
+    """Rank `rank` of `size` in Megatron's layout: column-parallel weights (q/k/v, gate/up, the
+    vocabulary of embed_tokens and lm_head) keep a range of output rows, row-parallel ones (o_proj,
+    down_proj) the matching input columns, their partial outputs summed over the ranks. With fewer
+    KV heads than ranks, each rank keeps the one KV head its query heads read."""
 
     rank: int = 0
     size: int = 1

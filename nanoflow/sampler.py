@@ -10,12 +10,9 @@ from torch import Tensor
 
 
 def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[int]:
-    """One token per row of logits [rows, vocab], for requests (`.params`, `.generator`, tokens).
-
-    Greedy rows take the argmax of the processed logits; the others race exponential noise:
-    argmax(p / q) with q ~ Exp(1) draws from p, for the whole batch at once (a seeded row draws its
-    noise from its own generator).
-    """
+    """One token per row of logits [rows, vocab]. Greedy rows take the argmax; the others race
+    exponential noise: argmax(p / q) with q ~ Exp(1) draws from p, the whole batch at once (a
+    seeded request draws its noise from its own generator)."""
     params = [r.params for r in reqs]
     logits = processed_logits(logits, reqs, eos_token_ids)
     greedy = logits.argmax(-1)

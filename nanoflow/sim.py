@@ -149,8 +149,6 @@ PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2,
 
 
 class _NoText:
-    """Simulated tokens have no text."""
-
     eos_token_ids: list[int] = []
 
     def decode(self, ids: list[int]) -> str:

@@ -128,12 +128,9 @@ def _render_template(template: str, messages: list[dict], bos_token: str) -> str
 
 
 class IncrementalDetokenizer:
-    """Streams text token by token; never emits half a UTF-8 character.
-
-    Decodes only a short window (vLLM's prefix/read offsets): the text of ids[prefix:] minus that of
-    ids[prefix:read] is what the newest tokens added. A trailing U+FFFD means a character is still
-    incomplete, so the piece waits for the next token.
-    """
+    """Streams text token by token, never half a UTF-8 character. Decodes a short window (vLLM's
+    prefix/read offsets): the text of ids[prefix:] minus that of ids[prefix:read] is what the newest
+    tokens added; a trailing U+FFFD means a character is incomplete: wait for the next token."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer

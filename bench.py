@@ -117,8 +117,7 @@ def trace_block(block_id: int, size: int) -> bytes:
 
 
 def read_trace(path: str, time_scale: float) -> list[tuple]:
-    """Rows of (arrival_s, prompt_tokens, output_tokens, hash ids or None), sorted by arrival,
-    from a CSV of those columns or a Mooncake JSONL (optionally gzipped)."""
+    """(arrival_s, prompt_tokens, output_tokens, hash_ids or None) of a CSV or Mooncake JSONL."""
     if ".jsonl" in path:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
             rows = [(r["timestamp"] / 1e3, r["input_length"], r["output_length"], r["hash_ids"])
@@ -131,8 +130,7 @@ def read_trace(path: str, time_scale: float) -> list[tuple]:
 
 
 def lru_hit_rate(block_ids: list[list[int]], capacity: int) -> float:
-    """The share of prompt blocks that a plain LRU cache of `capacity` blocks, fed the prompts in
-    order, holds as a leading run: a bound computed from the trace alone."""
+    """Share of prompt blocks a plain LRU of `capacity` blocks holds as a leading run (a bound)."""
     cache, hits = OrderedDict(), 0
     for ids in block_ids:
         hits += next((k for k, h in enumerate(ids) if h not in cache), len(ids))
@@ -156,22 +154,15 @@ def parse_mix(text: str) -> list[tuple[float, float]]:
     return [(float(r), float(s) if s else 1.0) for r, _, s in pairs]
 
 
-def conversations(args: argparse.Namespace, rng, length) -> tuple[list, list, list, list, str]:
-    """args.multi_turn conversations of args.turns turns (turn k of conversation c is request
-    k * N + c), the first turns spread over one think time: each turn's prompt is the previous
-    prompt and answer plus a new message, sent a think time after that answer ends."""
+def later_turns(args: argparse.Namespace, rng, length, arrival, prompts, outputs) -> list[int]:
+    """Appends turns 2.. of the conversations: turn k of conversation c is request k * N + c, the
+    previous prompt and answer plus a new message, sent a think time after that answer ends."""
     n = args.multi_turn
-    think = args.think_time
-    arrival = sorted(rng.uniform(0, think) for _ in range(n))
-    prompts = [length(args.prompt_len) for _ in range(n)]
-    outputs = [length(args.output_len) for _ in range(n)]
     for i in range(n, n * args.turns):
-        arrival.append(think * rng.expovariate(1.0))
+        arrival.append(args.think_time * rng.expovariate(1.0))
         prompts.append(prompts[i - n] + outputs[i - n] + length(args.prompt_len))
         outputs.append(length(args.output_len))
-    follows = [i - n for i in range(n * args.turns)]
-    return arrival, prompts, outputs, follows, f"{n} conversations of {args.turns} turns, think " \
-        f"time {think} s; message {args.prompt_len}, answer {args.output_len} tokens"
+    return [i - n for i in range(n * args.turns)]
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -188,11 +179,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
         # smaller blocks, shorter prompts: the same prefix structure at a smaller scale
         prompts = [math.ceil(n * args.trace_block / TRACE_BLOCK) for n in prompts]
         source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale})"
-    elif args.multi_turn:
-        arrival, prompts, outputs, follows, source = conversations(args, rng, length)
     else:
         if args.burst:
             arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
+        elif args.multi_turn:  # the first turns spread over one think time
+            arrival = sorted(rng.uniform(0, args.think_time) for _ in range(args.multi_turn))
+            source = (f"{args.multi_turn} conversations of {args.turns} turns, think time "
+                      f"{args.think_time} s, the prompt of each turn a new message")
         else:
             arrival, t = [], rng.expovariate(args.poisson)
             while t < args.duration:
@@ -201,6 +194,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
             source = f"poisson {args.poisson}/s for {args.duration} s ({len(arrival)} requests)"
         prompts = [length(args.prompt_len) for _ in arrival]
         outputs = [length(args.output_len) for _ in arrival]
+        if args.multi_turn:
+            follows = later_turns(args, rng, length, arrival, prompts, outputs)
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
@@ -242,8 +237,8 @@ def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, st
 
 
 def probe_workload(w: Workload, num_blocks: int, step_tokens: int) -> Workload:
-    """As many requests as KV memory holds at once, each with the run's mean decoding context
-    (prompt + output / 2) as prompt, to decode PROBE_TOKENS steps together once all prefilled."""
+    """As many requests as KV memory holds, with the mean decoding context as prompt, to decode
+    PROBE_TOKENS steps together once all prefilled."""
     prompt, output = statistics.mean(w.prompt_len), statistics.mean(w.output_len)
     n = max(1, min(len(w), num_blocks // cdiv(round(prompt + output), BLOCK_SIZE)))
     prompt = round(prompt + output / 2)

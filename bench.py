@@ -38,11 +38,13 @@ from urllib.parse import urlsplit
 import torch
 
 from nanoflow import LLM, SamplingParams
+from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
-from nanoflow.model import Transformer, rope_inv_freq
+from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig
+from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, kv_bytes_per_token
 from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: "
@@ -213,19 +215,15 @@ def levels(ups: list[float], downs: list[float]) -> list[tuple[float, int]]:
     return list(zip([t for t, _ in events], itertools.accumulate(d for _, d in events)))
 
 
-def peak_readers(w: Workload, mean_rate: float) -> int:
-    """Most requests reading at once, if each is read from its arrival at mean_rate."""
-    ends = [a + n / mean_rate for a, n in zip(w.arrival, w.output_len)]
-    return max((n for _, n in levels(w.arrival, ends)), default=0)
-
-
 def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, str]:
     """Scale the paper's mix: readers slower than decoding, their demand within capacity."""
     mean = sum(w.rate) / len(w)
     by_speed = SPEED_SHARE * speed * mean / max(w.rate)
     target = by_speed
     for _ in range(5):  # the peak number of readers depends on how long each takes to read
-        peak = peak_readers(w, target)
+        # the most requests reading at once, if each is read from its arrival at `target`
+        ends = [a + n / target for a, n in zip(w.arrival, w.output_len)]
+        peak = max((n for _, n in levels(w.arrival, ends)), default=0)
         target = min(by_speed, DEMAND_SHARE * capacity / peak)
     scaled = dataclasses.replace(w, rate=[clamp_read_rate(r * (target / mean)) for r in w.rate])
     why = (f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} "
@@ -409,7 +407,6 @@ def engine_factory(args: argparse.Namespace, w: Workload):
     frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
     blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
     if args.simulate:
-        from nanoflow.sim import PRESETS, build_engine
         if args.preset not in PRESETS:
             raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
@@ -503,9 +500,8 @@ def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[l
 
 def plot(runs: list[Run], path: str) -> None:
     """Each request's buffer over time, per policy, and the TTFT CDF of every policy."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(6 * (len(runs) + 1), 4.5))
     for ax in axes[1:-1]:
         ax.sharey(axes[0])
@@ -586,7 +582,6 @@ def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
 
 def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
     """Wall time of one schedule() call with N requests running and N/8 waiting (simulator)."""
-    from nanoflow.sim import build_engine
     print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>15}")
     params = SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20)
     for policy, n in itertools.product(POLICIES, sizes):
@@ -662,7 +657,6 @@ def copy_bandwidth() -> float:
 
 def bench_kernels() -> dict:
     """Decode attention at Llama-3-8B shapes, in bytes/s next to a plain device-to-device copy."""
-    from nanoflow.attention import decode_attention_triton
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     peak, rows = copy_bandwidth(), []
     print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
@@ -685,10 +679,9 @@ def bench_kernels() -> dict:
 
 
 def llama_pool(num_blocks: int, device: str, host: bool = False) -> KVPool:
-    """A KV pool of num_blocks Llama-3-8B blocks in bf16."""
-    from nanoflow.sim import LLAMA3_8B as c
-    return KVPool(num_blocks, c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
-                  torch.bfloat16, torch.device(device), host=host)
+    return KVPool(num_blocks, LLAMA3_8B.num_hidden_layers, BLOCK_SIZE,
+                  LLAMA3_8B.num_key_value_heads, LLAMA3_8B.head_dim, torch.bfloat16,
+                  torch.device(device), host=host)
 
 
 def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
@@ -717,7 +710,6 @@ def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
 
 def bench_transfers() -> dict:
     """The Swapper's copies against one raw pinned copy_; decode beside write-through."""
-    from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
     block_bytes = BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)
     sw = llama_swapper(TRANSFER_BYTES // block_bytes)
     nbytes = sw.device.num_blocks * sw.block_bytes
@@ -740,7 +732,6 @@ def bench_transfers() -> dict:
 
 def random_model(device: str) -> Transformer:
     """Llama-3-8B's shape with random bf16 weights: timing needs no checkpoint."""
-    from nanoflow.sim import LLAMA3_8B
     with torch.device("meta"):
         model = Transformer(LLAMA3_8B).to(torch.bfloat16)
     model.to_empty(device=device)
@@ -874,8 +865,6 @@ def vs_transformers(args: argparse.Namespace) -> None:
     """LLM.generate against transformers' generate: the same prompts, greedy, to a fixed length."""
     from transformers import AutoModelForCausalLM
 
-    from nanoflow.model import demo_checkpoint
-
     path = Path(args.ckpt) if args.ckpt else demo_checkpoint()
     llm = LLM(path, dtype=args.dtype)
     dtype = llm.engine.model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
@@ -914,8 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work("--multi-turn", type=int, metavar="N", help="N conversations of --turns turns each")
     add("--turns", type=int, default=3, help="--multi-turn: turns per conversation (default: 3)")
     add("--think-time", type=float, default=5.0, help="--multi-turn: mean s before a next turn")
-    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per hash id of a Mooncake "
-        f"trace; its prompt lengths scale along (default: {TRACE_BLOCK}, as recorded)")
+    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per Mooncake hash id; "
+        "prompt lengths scale along (default: %(default)s, as recorded)")
     add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K chats")
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
@@ -949,9 +938,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
-    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers,
-             args.matrix is not None, args.sched_cost)
-    if not (args.burst or args.poisson or args.trace or args.multi_turn or any(modes)):
+    workload = (args.burst, args.poisson, args.trace, args.multi_turn)
+    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost)
+    if not (any(workload) or args.matrix is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
         parse_dist(args.prompt_len or "1"), parse_dist(args.output_len)

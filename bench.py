@@ -288,19 +288,12 @@ class Progress:
               f"{self.last - self.begin:.0f} s", end="\n" * final, file=sys.stderr, flush=True)
 
 
-def wait_until(engine, t: float) -> None:
-    """Idle until t: jump a virtual clock, sleep on a real one."""
-    if hasattr(engine.clock, "advance_to"):
-        engine.clock.advance_to(t)
-    else:
-        time.sleep(max(0.0, t - engine.clock()))
-
-
 def drive(engine, w: Workload, label: str) -> Run:
     """Add requests whose arrival time has come, step, and when idle wait for the next arrival; a
     later turn is due a think time after its previous turn's last token."""
     wall, before = time.monotonic(), engine.stats()
     start, reqs, bar = engine.clock(), {}, Progress(label, len(w))
+    virtual_clock = hasattr(engine.clock, "advance_to")
     follows = w.follows or [-1] * len(w)
     due = [(start + a, i) for i, (a, f) in enumerate(zip(w.arrival, follows)) if f < 0]
     turns = {f: i for i, f in enumerate(follows) if f >= 0}  # previous turn -> next turn
@@ -311,8 +304,10 @@ def drive(engine, w: Workload, label: str) -> Run:
             reqs[i] = engine.add_request(w.prompt_ids(i, history), w.params(i), arrival_time=t)
         if engine.has_unfinished():
             engine.step()
-        elif due:
-            wait_until(engine, due[0][0])
+        elif due and virtual_clock:  # idle until the next arrival: jump a virtual clock
+            engine.clock.advance_to(due[0][0])
+        elif due:  # or sleep on a real one
+            time.sleep(max(0.0, due[0][0] - engine.clock()))
         for prev in [p for p in turns if p in reqs and reqs[p].is_finished]:
             i = turns.pop(prev)
             heapq.heappush(due, (reqs[prev].token_times[-1] + w.arrival[i], i))
@@ -492,12 +487,6 @@ def table(runs: list[Run]) -> str:
                                for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
 
 
-def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list, list]:
-    """(times, unread tokens) at every generation and read: the request's buffer over time."""
-    curve = levels(token_times, read_times(token_times, rate))
-    return [t - start for t, _ in curve], [n for _, n in curve]
-
-
 def plot(runs: list[Run], path: str) -> None:
     """Each request's buffer over time, per policy, and the TTFT CDF of every policy."""
     import matplotlib.pyplot as plt
@@ -506,8 +495,9 @@ def plot(runs: list[Run], path: str) -> None:
     for ax in axes[1:-1]:
         ax.sharey(axes[0])
     for ax, run in zip(axes, runs):
-        for r in run.records:
-            ax.step(*buffer_curve(r.token_times, r.rate, run.start), lw=0.5, alpha=0.4,
+        for r in run.records:  # unread tokens at every generation and read
+            curve = levels(r.token_times, read_times(r.token_times, r.rate))
+            ax.step([t - run.start for t, _ in curve], [n for _, n in curve], lw=0.5, alpha=0.4,
                     where="post")
         ax.set(title=f"{run.name}: each request's buffer", xlabel="time (s)",
                ylabel="unread tokens")
@@ -830,9 +820,8 @@ def burst_check(args: argparse.Namespace) -> dict:
 def gpu_check(args: argparse.Namespace) -> dict:
     """--gpu-check's steps in order, or those of --kernels and --transfers; one that needs a GPU
     is skipped without one; a failure is recorded, not raised, so that one run reports on all."""
-    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels,
-             "transfers": bench_transfers, "decode": bench_decode_speed,
-             "burst": lambda: burst_check(args)}
+    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels, "transfers": bench_transfers,
+             "decode": bench_decode_speed, "burst": lambda: burst_check(args)}
     results = {}
     flagged = [n for n in ("kernels", "transfers") if getattr(args, n)]
     for name in list(steps) if args.gpu_check else flagged:

@@ -402,8 +402,6 @@ def engine_factory(args: argparse.Namespace, w: Workload):
     frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
     blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
     if args.simulate:
-        if args.preset not in PRESETS:
-            raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
                                  tokenflow=args.tokenflow, charge_scheduler=not args.uncharged,
                                  host_kv_gb=args.host_kv_gb,
@@ -905,7 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
-    add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
+    add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
+        help="--simulate's cost model: %(choices)s (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")

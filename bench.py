@@ -235,8 +235,7 @@ def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, st
 
 
 def probe_workload(w: Workload, num_blocks: int, step_tokens: int) -> Workload:
-    """As many requests as KV memory holds, with the mean decoding context as prompt, to decode
-    PROBE_TOKENS steps together once all prefilled."""
+    """As many requests as KV holds, prompts of the mean decoding context, to decode together."""
     prompt, output = statistics.mean(w.prompt_len), statistics.mean(w.output_len)
     n = max(1, min(len(w), num_blocks // cdiv(round(prompt + output), BLOCK_SIZE)))
     prompt = round(prompt + output / 2)
@@ -289,8 +288,7 @@ class Progress:
 
 
 def drive(engine, w: Workload, label: str) -> Run:
-    """Add requests whose arrival time has come, step, and when idle wait for the next arrival; a
-    later turn is due a think time after its previous turn's last token."""
+    """Add due requests and step, idle till the next; a turn is due a think time after the last."""
     wall, before = time.monotonic(), engine.stats()
     start, reqs, bar = engine.clock(), {}, Progress(label, len(w))
     virtual_clock = hasattr(engine.clock, "advance_to")
@@ -465,7 +463,6 @@ ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "
 
 
 def shown(s: dict) -> dict:
-    """A run's summary and what the table derives from it."""
     queried = max(1, s["prefix_queried_tokens"])
     hits = (s["prefix_hit_tokens"], s["prefix_host_hit_tokens"])
     return {**s, "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
@@ -630,7 +627,6 @@ def cuda_time(fn) -> float:
 
 
 def seconds(fn) -> float:
-    """Wall seconds of one call of fn (which returns once its work is done)."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -673,7 +669,6 @@ def llama_pool(num_blocks: int, device: str, host: bool = False) -> KVPool:
 
 
 def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
-    """Device and host pools of num_blocks Llama-3-8B blocks each, and the Swapper between them."""
     return Swapper(llama_pool(num_blocks, device), llama_pool(num_blocks, device, host=True))
 
 
@@ -731,8 +726,7 @@ def random_model(device: str) -> Transformer:
 
 def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
                    graphs: bool = False):
-    """One decode step's forward for `batch` sequences of `context` tokens, each owning consecutive
-    blocks of pool (eager, or a CUDA graph captured as the engine does); and their block tables."""
+    """A decode step's forward over `batch` sequences of `context` tokens, and their tables."""
     device, per_seq = pool.kv_cache.device, context // BLOCK_SIZE
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     meta, positions = build_metadata(tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE,
@@ -816,8 +810,7 @@ def burst_check(args: argparse.Namespace) -> dict:
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
-    """--gpu-check's steps in order, or those of --kernels and --transfers; one that needs a GPU
-    is skipped without one; a failure is recorded, not raised, so that one run reports on all."""
+    """--gpu-check's steps in order, or --kernels and --transfers; GPU steps skip without one."""
     steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels, "transfers": bench_transfers,
              "decode": bench_decode_speed, "burst": lambda: burst_check(args)}
     results = {}

@@ -261,14 +261,14 @@ class Run:
     name: str
     records: list
     start: float  # when the first request arrived, on the run's clock
-    makespan: float
     counters: dict = field(default_factory=dict)
     wall: float = 0.0
     requests: list = field(default_factory=list)  # the engine's, in the workload's order
 
     @functools.cached_property
     def summary(self) -> dict:
-        return {**summarize(self.records, self.makespan), **self.counters, "wall_s": self.wall}
+        end = max((r.token_times[-1] for r in self.records if r.token_times), default=self.start)
+        return {**summarize(self.records, end - self.start), **self.counters, "wall_s": self.wall}
 
 
 class Progress:
@@ -315,14 +315,8 @@ def drive(engine, w: Workload, label: str) -> Run:
     reqs = [reqs[i] for i in range(len(w))]
     bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
     counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
-    return finish_run(label, [r.record() for r in reqs], start + w.arrival[0], counters, wall,
-                      reqs)
-
-
-def finish_run(label: str, records: list, start: float, counters: dict, wall: float,
-               reqs: list = ()) -> Run:
-    end = max((r.token_times[-1] for r in records if r.token_times), default=start)
-    return Run(label, records, start, end - start, counters, time.monotonic() - wall, list(reqs))
+    return Run(label, [r.record() for r in reqs], start + w.arrival[0], counters,
+               time.monotonic() - wall, reqs)
 
 
 def http_call(url: str, method: str, path: str, body: dict | None = None):
@@ -382,7 +376,7 @@ def drive_http(url: str, w: Workload) -> Run:
     bar.show(len(w), sum(len(x) for x in times), final=True)
     records = [RequestRecord(start + a, x or [], r) for a, x, r in zip(w.arrival, times, w.rate)]
     counters = {k: int(v - before[k]) for k, v in scrape_counters(url).items()}
-    return finish_run("http", records, start + w.arrival[0], counters, wall)
+    return Run("http", records, start + w.arrival[0], counters, time.monotonic() - wall)
 
 
 # ---------------------------------------------------------------- where it runs

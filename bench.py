@@ -1,12 +1,10 @@
 """nanoflow's benchmark: the same workload under each scheduling policy, side by side.
 
-`python bench.py --burst 64` builds one workload from a seed (arrival times, prompt and output
-lengths, each request's reading rate), runs it on the real engine in this process once per policy,
-and prints TTFT, stalls, QoE and throughput of each (docs/scheduling.md). The same driver runs a
-simulated engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload
-through a running server and times tokens at the client; `--multi-turn N` runs N conversations
-whose turns resend the whole conversation. `--kernels` and `--transfers` time the GPU parts;
-`--vs-transformers` compares offline generation with HuggingFace transformers.
+`python bench.py --burst 64` builds one workload from a seed (arrivals, prompt and output lengths,
+each request's reading rate), runs it on the engine once per policy and prints TTFT, stalls, QoE
+and throughput of each (docs/scheduling.md). `--simulate` drives a simulated engine on a virtual
+clock, `--http URL` a running server (timed at the client); `--multi-turn N` runs chats that resend
+the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers.
 """
 
 import argparse
@@ -379,9 +377,6 @@ def drive_http(url: str, w: Workload) -> Run:
     return Run("http", records, start + w.arrival[0], counters, time.monotonic() - wall)
 
 
-# ---------------------------------------------------------------- where it runs
-
-
 def kv_blocks(w: Workload, frac: float) -> int:
     """A device pool that holds `frac` of the workload at full length, and the largest request."""
     need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
@@ -592,7 +587,7 @@ def full_rebalances(s, now: float, times: int) -> None:
         s.policy.preemptions(s, now)
 
 
-# ---------------------------------------------------------------- GPU: kernels and transfers
+# ---------------------------------------------------------------- GPU: --gpu-check and its parts
 
 
 GPU_CHECK_BURST = 32  # requests in --gpu-check's burst: both policies in about a minute on a GPU
@@ -775,9 +770,6 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
           f"{alone * 1e3:.1f} ms alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} "
           f"blocks ({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it")
     return beside / alone - 1
-
-
-# ---------------------------------------------------------------- --gpu-check: all of it, in one go
 
 
 def run_cuda_tests() -> dict:

@@ -377,17 +377,13 @@ def drive_http(url: str, w: Workload) -> Run:
     return Run("http", records, start + w.arrival[0], counters, time.monotonic() - wall)
 
 
-def kv_blocks(w: Workload, frac: float) -> int:
-    """A device pool that holds `frac` of the workload at full length, and the largest request."""
-    need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
-    return max(max(need), math.ceil(frac * sum(need)))
-
-
 def engine_factory(args: argparse.Namespace, w: Workload):
     """policy -> a fresh engine (real or simulated), and a description of it."""
     all_memory = args.simulate or args.trace or args.multi_turn
     frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
-    blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
+    need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
+    # a device pool that holds `frac` of the workload at full length, and the largest request
+    blocks = args.num_kv_blocks or (max(max(need), math.ceil(frac * sum(need))) if frac else None)
     if args.simulate:
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
                                  tokenflow=args.tokenflow, charge_scheduler=not args.uncharged,

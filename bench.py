@@ -1,12 +1,10 @@
 """nanoflow's benchmark: the same workload under each scheduling policy, side by side.
 
-`python bench.py --burst 64` builds one workload from a seed (arrival times, prompt and output
-lengths, each request's reading rate), runs it on the real engine in this process once per policy,
-and prints TTFT, stalls, QoE and throughput of each (docs/scheduling.md). The same driver runs a
-simulated engine on a virtual clock (`--simulate --preset NAME`); `--http URL` sends the workload
-through a running server and times tokens at the client; `--multi-turn N` runs N conversations
-whose turns resend the whole conversation. `--kernels` and `--transfers` time the GPU parts;
-`--vs-transformers` compares offline generation with HuggingFace transformers.
+`python bench.py --burst 64` builds one workload from a seed (arrivals, prompt and output lengths,
+each request's reading rate), runs it on the engine once per policy and prints TTFT, stalls, QoE
+and throughput of each (docs/scheduling.md). `--simulate` drives a simulated engine on a virtual
+clock, `--http URL` a running server (timed at the client); `--multi-turn N` runs chats that resend
+the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers.
 """
 
 import argparse
@@ -38,11 +36,13 @@ from urllib.parse import urlsplit
 import torch
 
 from nanoflow import LLM, SamplingParams
+from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
-from nanoflow.model import Transformer, rope_inv_freq
+from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig
+from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, kv_bytes_per_token
 from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: "
@@ -117,8 +117,7 @@ def trace_block(block_id: int, size: int) -> bytes:
 
 
 def read_trace(path: str, time_scale: float) -> list[tuple]:
-    """Rows of (arrival_s, prompt_tokens, output_tokens, hash ids or None), sorted by arrival,
-    from a CSV of those columns or a Mooncake JSONL (optionally gzipped)."""
+    """(arrival_s, prompt_tokens, output_tokens, hash_ids or None) of a CSV or Mooncake JSONL."""
     if ".jsonl" in path:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
             rows = [(r["timestamp"] / 1e3, r["input_length"], r["output_length"], r["hash_ids"])
@@ -131,8 +130,7 @@ def read_trace(path: str, time_scale: float) -> list[tuple]:
 
 
 def lru_hit_rate(block_ids: list[list[int]], capacity: int) -> float:
-    """The share of prompt blocks that a plain LRU cache of `capacity` blocks, fed the prompts in
-    order, holds as a leading run: a bound computed from the trace alone."""
+    """Share of prompt blocks a plain LRU of `capacity` blocks holds as a leading run (a bound)."""
     cache, hits = OrderedDict(), 0
     for ids in block_ids:
         hits += next((k for k, h in enumerate(ids) if h not in cache), len(ids))
@@ -156,22 +154,15 @@ def parse_mix(text: str) -> list[tuple[float, float]]:
     return [(float(r), float(s) if s else 1.0) for r, _, s in pairs]
 
 
-def conversations(args: argparse.Namespace, rng, length) -> tuple[list, list, list, list, str]:
-    """args.multi_turn conversations of args.turns turns (turn k of conversation c is request
-    k * N + c), the first turns spread over one think time: each turn's prompt is the previous
-    prompt and answer plus a new message, sent a think time after that answer ends."""
+def later_turns(args: argparse.Namespace, rng, length, arrival, prompts, outputs) -> list[int]:
+    """Appends turns 2.. of the conversations: turn k of conversation c is request k * N + c, the
+    previous prompt and answer plus a new message, sent a think time after that answer ends."""
     n = args.multi_turn
-    think = args.think_time
-    arrival = sorted(rng.uniform(0, think) for _ in range(n))
-    prompts = [length(args.prompt_len) for _ in range(n)]
-    outputs = [length(args.output_len) for _ in range(n)]
     for i in range(n, n * args.turns):
-        arrival.append(think * rng.expovariate(1.0))
+        arrival.append(args.think_time * rng.expovariate(1.0))
         prompts.append(prompts[i - n] + outputs[i - n] + length(args.prompt_len))
         outputs.append(length(args.output_len))
-    follows = [i - n for i in range(n * args.turns)]
-    return arrival, prompts, outputs, follows, f"{n} conversations of {args.turns} turns, think " \
-        f"time {think} s; message {args.prompt_len}, answer {args.output_len} tokens"
+    return [i - n for i in range(n * args.turns)]
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -188,11 +179,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
         # smaller blocks, shorter prompts: the same prefix structure at a smaller scale
         prompts = [math.ceil(n * args.trace_block / TRACE_BLOCK) for n in prompts]
         source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale})"
-    elif args.multi_turn:
-        arrival, prompts, outputs, follows, source = conversations(args, rng, length)
     else:
         if args.burst:
             arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
+        elif args.multi_turn:  # the first turns spread over one think time
+            arrival = sorted(rng.uniform(0, args.think_time) for _ in range(args.multi_turn))
+            source = (f"{args.multi_turn} conversations of {args.turns} turns, think time "
+                      f"{args.think_time} s, the prompt of each turn a new message")
         else:
             arrival, t = [], rng.expovariate(args.poisson)
             while t < args.duration:
@@ -201,6 +194,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
             source = f"poisson {args.poisson}/s for {args.duration} s ({len(arrival)} requests)"
         prompts = [length(args.prompt_len) for _ in arrival]
         outputs = [length(args.output_len) for _ in arrival]
+        if args.multi_turn:
+            follows = later_turns(args, rng, length, arrival, prompts, outputs)
         source += f"; prompt {args.prompt_len}, output {args.output_len} tokens"
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
@@ -218,19 +213,15 @@ def levels(ups: list[float], downs: list[float]) -> list[tuple[float, int]]:
     return list(zip([t for t, _ in events], itertools.accumulate(d for _, d in events)))
 
 
-def peak_readers(w: Workload, mean_rate: float) -> int:
-    """Most requests reading at once, if each is read from its arrival at mean_rate."""
-    ends = [a + n / mean_rate for a, n in zip(w.arrival, w.output_len)]
-    return max((n for _, n in levels(w.arrival, ends)), default=0)
-
-
 def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, str]:
     """Scale the paper's mix: readers slower than decoding, their demand within capacity."""
     mean = sum(w.rate) / len(w)
     by_speed = SPEED_SHARE * speed * mean / max(w.rate)
     target = by_speed
     for _ in range(5):  # the peak number of readers depends on how long each takes to read
-        peak = peak_readers(w, target)
+        # the most requests reading at once, if each is read from its arrival at `target`
+        ends = [a + n / target for a, n in zip(w.arrival, w.output_len)]
+        peak = max((n for _, n in levels(w.arrival, ends)), default=0)
         target = min(by_speed, DEMAND_SHARE * capacity / peak)
     scaled = dataclasses.replace(w, rate=[clamp_read_rate(r * (target / mean)) for r in w.rate])
     why = (f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} "
@@ -242,8 +233,7 @@ def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, st
 
 
 def probe_workload(w: Workload, num_blocks: int, step_tokens: int) -> Workload:
-    """As many requests as KV memory holds at once, each with the run's mean decoding context
-    (prompt + output / 2) as prompt, to decode PROBE_TOKENS steps together once all prefilled."""
+    """As many requests as KV holds, prompts of the mean decoding context, to decode together."""
     prompt, output = statistics.mean(w.prompt_len), statistics.mean(w.output_len)
     n = max(1, min(len(w), num_blocks // cdiv(round(prompt + output), BLOCK_SIZE)))
     prompt = round(prompt + output / 2)
@@ -269,14 +259,14 @@ class Run:
     name: str
     records: list
     start: float  # when the first request arrived, on the run's clock
-    makespan: float
     counters: dict = field(default_factory=dict)
     wall: float = 0.0
     requests: list = field(default_factory=list)  # the engine's, in the workload's order
 
     @functools.cached_property
     def summary(self) -> dict:
-        return {**summarize(self.records, self.makespan), **self.counters, "wall_s": self.wall}
+        end = max((r.token_times[-1] for r in self.records if r.token_times), default=self.start)
+        return {**summarize(self.records, end - self.start), **self.counters, "wall_s": self.wall}
 
 
 class Progress:
@@ -295,19 +285,11 @@ class Progress:
               f"{self.last - self.begin:.0f} s", end="\n" * final, file=sys.stderr, flush=True)
 
 
-def wait_until(engine, t: float) -> None:
-    """Idle until t: jump a virtual clock, sleep on a real one."""
-    if hasattr(engine.clock, "advance_to"):
-        engine.clock.advance_to(t)
-    else:
-        time.sleep(max(0.0, t - engine.clock()))
-
-
 def drive(engine, w: Workload, label: str) -> Run:
-    """Add requests whose arrival time has come, step, and when idle wait for the next arrival; a
-    later turn is due a think time after its previous turn's last token."""
+    """Add due requests and step, idle till the next; a turn is due a think time after the last."""
     wall, before = time.monotonic(), engine.stats()
     start, reqs, bar = engine.clock(), {}, Progress(label, len(w))
+    virtual_clock = hasattr(engine.clock, "advance_to")
     follows = w.follows or [-1] * len(w)
     due = [(start + a, i) for i, (a, f) in enumerate(zip(w.arrival, follows)) if f < 0]
     turns = {f: i for i, f in enumerate(follows) if f >= 0}  # previous turn -> next turn
@@ -318,8 +300,10 @@ def drive(engine, w: Workload, label: str) -> Run:
             reqs[i] = engine.add_request(w.prompt_ids(i, history), w.params(i), arrival_time=t)
         if engine.has_unfinished():
             engine.step()
-        elif due:
-            wait_until(engine, due[0][0])
+        elif due and virtual_clock:  # idle until the next arrival: jump a virtual clock
+            engine.clock.advance_to(due[0][0])
+        elif due:  # or sleep on a real one
+            time.sleep(max(0.0, due[0][0] - engine.clock()))
         for prev in [p for p in turns if p in reqs and reqs[p].is_finished]:
             i = turns.pop(prev)
             heapq.heappush(due, (reqs[prev].token_times[-1] + w.arrival[i], i))
@@ -329,14 +313,8 @@ def drive(engine, w: Workload, label: str) -> Run:
     reqs = [reqs[i] for i in range(len(w))]
     bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
     counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
-    return finish_run(label, [r.record() for r in reqs], start + w.arrival[0], counters, wall,
-                      reqs)
-
-
-def finish_run(label: str, records: list, start: float, counters: dict, wall: float,
-               reqs: list = ()) -> Run:
-    end = max((r.token_times[-1] for r in records if r.token_times), default=start)
-    return Run(label, records, start, end - start, counters, time.monotonic() - wall, list(reqs))
+    return Run(label, [r.record() for r in reqs], start + w.arrival[0], counters,
+               time.monotonic() - wall, reqs)
 
 
 def http_call(url: str, method: str, path: str, body: dict | None = None):
@@ -396,27 +374,17 @@ def drive_http(url: str, w: Workload) -> Run:
     bar.show(len(w), sum(len(x) for x in times), final=True)
     records = [RequestRecord(start + a, x or [], r) for a, x, r in zip(w.arrival, times, w.rate)]
     counters = {k: int(v - before[k]) for k, v in scrape_counters(url).items()}
-    return finish_run("http", records, start + w.arrival[0], counters, wall)
-
-
-# ---------------------------------------------------------------- where it runs
-
-
-def kv_blocks(w: Workload, frac: float) -> int:
-    """A device pool that holds `frac` of the workload at full length, and the largest request."""
-    need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
-    return max(max(need), math.ceil(frac * sum(need)))
+    return Run("http", records, start + w.arrival[0], counters, time.monotonic() - wall)
 
 
 def engine_factory(args: argparse.Namespace, w: Workload):
     """policy -> a fresh engine (real or simulated), and a description of it."""
     all_memory = args.simulate or args.trace or args.multi_turn
     frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
-    blocks = args.num_kv_blocks or (kv_blocks(w, frac) if frac else None)
+    need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
+    # a device pool that holds `frac` of the workload at full length, and the largest request
+    blocks = args.num_kv_blocks or (max(max(need), math.ceil(frac * sum(need))) if frac else None)
     if args.simulate:
-        from nanoflow.sim import PRESETS, build_engine
-        if args.preset not in PRESETS:
-            raise SystemExit(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
                                  tokenflow=args.tokenflow, charge_scheduler=not args.uncharged,
                                  host_kv_gb=args.host_kv_gb,
@@ -480,7 +448,6 @@ ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "
 
 
 def shown(s: dict) -> dict:
-    """A run's summary and what the table derives from it."""
     queried = max(1, s["prefix_queried_tokens"])
     hits = (s["prefix_hit_tokens"], s["prefix_host_hit_tokens"])
     return {**s, "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
@@ -500,23 +467,17 @@ def table(runs: list[Run]) -> str:
                                for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
 
 
-def buffer_curve(token_times: list[float], rate: float, start: float) -> tuple[list, list]:
-    """(times, unread tokens) at every generation and read: the request's buffer over time."""
-    curve = levels(token_times, read_times(token_times, rate))
-    return [t - start for t, _ in curve], [n for _, n in curve]
-
-
 def plot(runs: list[Run], path: str) -> None:
     """Each request's buffer over time, per policy, and the TTFT CDF of every policy."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(6 * (len(runs) + 1), 4.5))
     for ax in axes[1:-1]:
         ax.sharey(axes[0])
     for ax, run in zip(axes, runs):
-        for r in run.records:
-            ax.step(*buffer_curve(r.token_times, r.rate, run.start), lw=0.5, alpha=0.4,
+        for r in run.records:  # unread tokens at every generation and read
+            curve = levels(r.token_times, read_times(r.token_times, r.rate))
+            ax.step([t - run.start for t, _ in curve], [n for _, n in curve], lw=0.5, alpha=0.4,
                     where="post")
         ax.set(title=f"{run.name}: each request's buffer", xlabel="time (s)",
                ylabel="unread tokens")
@@ -591,7 +552,6 @@ def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
 
 def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
     """Wall time of one schedule() call with N requests running and N/8 waiting (simulator)."""
-    from nanoflow.sim import build_engine
     print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>15}")
     params = SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20)
     for policy, n in itertools.product(POLICIES, sizes):
@@ -623,7 +583,7 @@ def full_rebalances(s, now: float, times: int) -> None:
         s.policy.preemptions(s, now)
 
 
-# ---------------------------------------------------------------- GPU: kernels and transfers
+# ---------------------------------------------------------------- GPU: --gpu-check and its parts
 
 
 GPU_CHECK_BURST = 32  # requests in --gpu-check's burst: both policies in about a minute on a GPU
@@ -652,7 +612,6 @@ def cuda_time(fn) -> float:
 
 
 def seconds(fn) -> float:
-    """Wall seconds of one call of fn (which returns once its work is done)."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -667,7 +626,6 @@ def copy_bandwidth() -> float:
 
 def bench_kernels() -> dict:
     """Decode attention at Llama-3-8B shapes, in bytes/s next to a plain device-to-device copy."""
-    from nanoflow.attention import decode_attention_triton
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     peak, rows = copy_bandwidth(), []
     print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
@@ -690,14 +648,12 @@ def bench_kernels() -> dict:
 
 
 def llama_pool(num_blocks: int, device: str, host: bool = False) -> KVPool:
-    """A KV pool of num_blocks Llama-3-8B blocks in bf16."""
-    from nanoflow.sim import LLAMA3_8B as c
-    return KVPool(num_blocks, c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
-                  torch.bfloat16, torch.device(device), host=host)
+    return KVPool(num_blocks, LLAMA3_8B.num_hidden_layers, BLOCK_SIZE,
+                  LLAMA3_8B.num_key_value_heads, LLAMA3_8B.head_dim, torch.bfloat16,
+                  torch.device(device), host=host)
 
 
 def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
-    """Device and host pools of num_blocks Llama-3-8B blocks each, and the Swapper between them."""
     return Swapper(llama_pool(num_blocks, device), llama_pool(num_blocks, device, host=True))
 
 
@@ -722,7 +678,6 @@ def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
 
 def bench_transfers() -> dict:
     """The Swapper's copies against one raw pinned copy_; decode beside write-through."""
-    from nanoflow.sim import LLAMA3_8B, kv_bytes_per_token
     block_bytes = BLOCK_SIZE * kv_bytes_per_token(LLAMA3_8B, torch.bfloat16)
     sw = llama_swapper(TRANSFER_BYTES // block_bytes)
     nbytes = sw.device.num_blocks * sw.block_bytes
@@ -745,7 +700,6 @@ def bench_transfers() -> dict:
 
 def random_model(device: str) -> Transformer:
     """Llama-3-8B's shape with random bf16 weights: timing needs no checkpoint."""
-    from nanoflow.sim import LLAMA3_8B
     with torch.device("meta"):
         model = Transformer(LLAMA3_8B).to(torch.bfloat16)
     model.to_empty(device=device)
@@ -757,8 +711,7 @@ def random_model(device: str) -> Transformer:
 
 def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
                    graphs: bool = False):
-    """One decode step's forward for `batch` sequences of `context` tokens, each owning consecutive
-    blocks of pool (eager, or a CUDA graph captured as the engine does); and their block tables."""
+    """A decode step's forward over `batch` sequences of `context` tokens, and their tables."""
     device, per_seq = pool.kv_cache.device, context // BLOCK_SIZE
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     meta, positions = build_metadata(tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE,
@@ -815,9 +768,6 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
     return beside / alone - 1
 
 
-# ---------------------------------------------------------------- --gpu-check: all of it, in one go
-
-
 def run_cuda_tests() -> dict:
     """The test suite's `cuda`-marked tests, compiled kernels on the real device."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"],
@@ -842,11 +792,9 @@ def burst_check(args: argparse.Namespace) -> dict:
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
-    """--gpu-check's steps in order, or those of --kernels and --transfers; one that needs a GPU
-    is skipped without one; a failure is recorded, not raised, so that one run reports on all."""
-    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels,
-             "transfers": bench_transfers, "decode": bench_decode_speed,
-             "burst": lambda: burst_check(args)}
+    """--gpu-check's steps in order, or --kernels and --transfers; GPU steps skip without one."""
+    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels, "transfers": bench_transfers,
+             "decode": bench_decode_speed, "burst": lambda: burst_check(args)}
     results = {}
     flagged = [n for n in ("kernels", "transfers") if getattr(args, n)]
     for name in list(steps) if args.gpu_check else flagged:
@@ -878,8 +826,6 @@ def gpu_check(args: argparse.Namespace) -> dict:
 def vs_transformers(args: argparse.Namespace) -> None:
     """LLM.generate against transformers' generate: the same prompts, greedy, to a fixed length."""
     from transformers import AutoModelForCausalLM
-
-    from nanoflow.model import demo_checkpoint
 
     path = Path(args.ckpt) if args.ckpt else demo_checkpoint()
     llm = LLM(path, dtype=args.dtype)
@@ -919,8 +865,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work("--multi-turn", type=int, metavar="N", help="N conversations of --turns turns each")
     add("--turns", type=int, default=3, help="--multi-turn: turns per conversation (default: 3)")
     add("--think-time", type=float, default=5.0, help="--multi-turn: mean s before a next turn")
-    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per hash id of a Mooncake "
-        f"trace; its prompt lengths scale along (default: {TRACE_BLOCK}, as recorded)")
+    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per Mooncake hash id; "
+        "prompt lengths scale along (default: %(default)s, as recorded)")
     add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K chats")
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
@@ -932,7 +878,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
-    add("--preset", default="h200-llama3-8b", help="--simulate's cost model (default: %(default)s)")
+    add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
+        help="--simulate's cost model: %(choices)s (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
@@ -954,9 +901,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
-    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers,
-             args.matrix is not None, args.sched_cost)
-    if not (args.burst or args.poisson or args.trace or args.multi_turn or any(modes)):
+    workload = (args.burst, args.poisson, args.trace, args.multi_turn)
+    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost)
+    if not (any(workload) or args.matrix is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
         parse_dist(args.prompt_len or "1"), parse_dist(args.output_len)

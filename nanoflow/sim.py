@@ -17,7 +17,7 @@ import torch
 from .engine import Engine, Request
 from .kv import KVPool, kv_block_bytes
 from .model import ModelConfig
-from .sched import Policy, Scheduler, TokenFlowConfig
+from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
 from .swap import Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos

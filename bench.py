@@ -42,7 +42,7 @@ from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig
-from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, kv_bytes_per_token
+from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, calibrate, kv_bytes_per_token
 from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: "
@@ -881,6 +881,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
         help="--simulate's cost model: %(choices)s (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
+    add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
@@ -902,7 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
     workload = (args.burst, args.poisson, args.trace, args.multi_turn)
-    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost)
+    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost,
+             args.calibrate)
     if not (any(workload) or args.matrix is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
@@ -980,6 +982,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.vs_transformers:
         vs_transformers(args)
+    if args.calibrate:
+        print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
     if args.burst or args.poisson or args.trace or args.multi_turn:
         serving_bench(args)
     if args.sched_cost:

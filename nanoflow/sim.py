@@ -10,7 +10,7 @@ on a laptop, and what the simulator says about a policy is what that policy does
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -113,7 +113,7 @@ def cpu_smollm2() -> CostModel:
         num_kv_blocks=256, num_host_blocks=4096,
         notes=["fitted to the real engine, fp32 demo model, 2-core machine (AMD EPYC, 2026-11):",
                "decode step 56 ms at 1 request, 126 ms at 16; a 2048-token prefill step 3.45 s",
-               "host link 5 GB/s: memcpy between two CPU buffers"])
+               "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits"])
 
 
 QWEN25_32B = ModelConfig("qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
@@ -260,3 +260,39 @@ def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float
         device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow,
         enable_prefix_caching)
     return SimEngine(cost, scheduler, read_rate)
+
+
+def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps: int = 8
+              ) -> CostModel:
+    """Fit the cpu-smollm2 form (overhead + prefill tokens + decoding requests) to the real
+    engine's steps."""
+    engine, rows = llm.engine, []
+    vocab = engine.config.vocab_size
+
+    def timed_step() -> float:
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    for p in (min(p, engine.max_model_len - 2) for p in prompt_lens):
+        engine.add_request([(7 * i) % vocab for i in range(p)], params(1))
+        rows.append((p, 0, p, timed_step()))
+    for b in batches:
+        for i in range(b):
+            engine.add_request([(13 * i + j) % vocab for j in range(128)], params(decode_steps + 1))
+        timed_step()  # the prefill
+        for _ in range(decode_steps):
+            rows.append((0, b, b * 130, timed_step()))
+        while engine.has_unfinished():
+            engine.step()
+    x = torch.tensor([[1.0, p, d] for p, d, _, _ in rows], dtype=torch.float64)
+    y = torch.tensor([[t] for *_, t in rows], dtype=torch.float64)
+    fit = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
+    return replace(cpu_smollm2(), name="calibrated", model=engine.config,
+                   kv_bytes_per_token=engine.kv.bytes_per_block // engine.kv.block_size,
+                   overhead_s=fit[0], per_prefill_token_s=fit[1], per_decode_seq_s=fit[2],
+                   notes=[f"least squares over {len(rows)} measured steps of this engine here"])
+

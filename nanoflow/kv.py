@@ -70,6 +70,8 @@ class KVPool:
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend block_table in place to hold num_tokens; False (nothing taken) if short."""
+        if num_tokens <= len(block_table) * self.block_size:
+            return True  # most decode steps: a hot path of every schedule() call
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             return False

@@ -471,18 +471,22 @@ class Handler(BaseHTTPRequestHandler):
             if self.command == "OPTIONS":  # a browser's CORS preflight: no key, no body
                 preflight = {"Allow": f"{method}, OPTIONS", **self._preflight(method)}
                 return self._send(204, b"", None, preflight)
-            keyed = self.server.api_key and path not in OPEN_PATHS
-            given = self.headers.get("Authorization", "").encode()
-            if keyed and not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
-                raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
-            if self.command != method:
-                raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
-            if self.server.engine is None and path != "/health":
-                raise HTTPError(503, "the model is still loading",
-                                headers={"Retry-After": str(LOADING_RETRY_S)})
+            self._check_access(path, method)
             endpoint(self)
         except HTTPError as e:
             self._send_error(e)
+
+    def _check_access(self, path: str, method: str) -> None:
+        """The key (unless the path is open), the method, and a loaded model."""
+        keyed = self.server.api_key and path not in OPEN_PATHS
+        given = self.headers.get("Authorization", "").encode()
+        if keyed and not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
+            raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
+        if self.command != method:
+            raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
+        if self.server.engine is None and path != "/health":
+            raise HTTPError(503, "the model is still loading",
+                            headers={"Retry-After": str(LOADING_RETRY_S)})
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _dispatch
 

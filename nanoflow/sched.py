@@ -363,7 +363,10 @@ class Scheduler:
             req.num_cached_blocks = full
 
     def _release(self, req: Request, to_host: bool) -> None:
-        """Dequeue req; its KV goes to host (if to_host and it fits) or is dropped."""
+        """Dequeue req; its KV goes to host (if to_host and it fits) or is dropped. Its filled
+        blocks are named first (those of its last step too): they stay cached for others."""
+        if self.enable_prefix_caching and loaded(req):
+            self._cache_full_blocks(req)
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
         if to_host and self.swapper and self.swapper.evict(req):
             return
@@ -383,9 +386,6 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status != RequestStatus.FINISHED:
-            if self.enable_prefix_caching and req.status == RequestStatus.RUNNING and loaded(req):
-                # the blocks filled in its last step: after_step would not see it again
-                self._cache_full_blocks(req)
             self._release(req, to_host=False)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 

@@ -968,12 +968,15 @@ def test_second_turn_computes_only_its_new_tokens(tiny):
     assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
 
 
-def test_second_turn_loads_an_evicted_prefix_from_host(tiny):
-    """The first turn's blocks were written through to host; other prompts then push them out of the
-    device's cache. The second turn loads them back instead of recomputing them."""
+@pytest.mark.parametrize("write_through", [True, False])
+def test_second_turn_loads_an_evicted_prefix_from_host(tiny, write_through):
+    """Other prompts push the first turn's blocks out of the device's cache: they were written
+    through to host, or (fcfs) are copied there as the device takes them back. The second turn
+    loads them instead of recomputing them, and its tokens show the KV arrived intact."""
     path, _ = tiny
     first, new = shared_prefix_prompts(seed=23)[:2]
-    llm = LLM(path, device="cpu", num_kv_blocks=12, host_kv_gb=0.01, policy=Forced(10**9, "load"))
+    policy = Forced(10**9, "load") if write_through else "fcfs"
+    llm = LLM(path, device="cpu", num_kv_blocks=12, host_kv_gb=0.01, policy=policy)
     reply = llm.generate(first, GREEDY)[0].token_ids
     for filler in random_prompts(2, TINY["vocab_size"], seed=24, lengths=(150, 150)):
         llm.generate(filler, GREEDY)
@@ -1054,6 +1057,41 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     check_pools(engine)
     assert engine.kv.num_free == engine.kv.num_blocks and engine.scheduler.swapper.host.num_free == engine.scheduler.swapper.host.num_blocks
     assert [r.finish_reason for r in reqs] == ["abort"] * 3
+
+
+def test_the_host_tier_takes_what_the_device_drops_and_drops_its_copies_first():
+    """Both pools as one LRU cache: a cached block the device reuses moves to host (copied unless
+    host has it already), and host makes room by dropping its copies of blocks the device holds."""
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    device, host = KVPool(4, *shape), KVPool(4, *shape, host=True)
+    swapper = Swapper(device, host)
+    device.kv_cache.copy_(torch.randn(device.kv_cache.shape))
+
+    def request(hashes: list[int]) -> types.SimpleNamespace:
+        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=hashes,
+                                    num_host_tokens=0, num_computed_tokens=16)
+        assert device.grow(req.block_table, 16)
+        swapper.demote()  # as the scheduler does before the step that overwrites these blocks
+        device.cache_blocks(req.block_table, hashes)
+        swapper.write_through([req], max_blocks=2)  # its first two blocks are on host too
+        return req
+
+    a = request([1, 2, 3, 4])
+    kv = device.kv_cache[a.block_table].clone()
+    swapper.release(a)  # cached on the device; on host only copies
+    b = request([5, 6, 7, 8])  # takes a's blocks: 3 and 4 are copied to host, 1 and 2 are there
+    assert swapper.counters["blocks_demoted"] == 2 and swapper.counters["blocks_written_through"] == 4
+    # b's copies took the place of 1 and 2: moved to host's back before 3 and 4 were copied in
+    assert host.cached.keys() == {5, 6, 3, 4}
+    for i, h in [(2, 3), (3, 4)]:
+        assert torch.equal(host.kv_cache[host.cached[h]], kv[i])
+    swapper.release(b)
+    c = []
+    assert host.grow(c, 8) and host.cached.keys() == {3, 4}  # 5 and 6 are still on the device
+    assert device.cached.keys() == {5, 6, 7, 8}
+    host.free(c)
+    check_pools(types.SimpleNamespace(kv=device, scheduler=types.SimpleNamespace(
+        running=[], waiting=[], swapper=swapper)))
 
 
 def test_swap_round_trip_across_staging_chunks(monkeypatch):
@@ -1949,7 +1987,7 @@ def sim_engine(*args, **kwargs):
 @pytest.mark.parametrize("evicted", [False, True])
 def test_simulator_serves_a_second_turn_from_the_device_or_the_host_tier(evicted):
     """The same two tiers on the virtual clock: a second turn finds the first on the device, or, once
-    other prompts pushed it out of the device pool, on host (written through while the link was idle)."""
+    other prompts pushed it out of the device pool, on host (copied there as the device took its blocks)."""
     engine = sim_engine("cpu-smollm2", "fcfs", num_kv_blocks=32, enable_prefix_caching=True)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -2507,7 +2545,9 @@ def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
     """As on a GPU, evicted blocks come back only when their copies finish: one eviction must be enough."""
     path, _ = tiny
     no_reserve = FCFS(FCFSConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0))  # all four start at once
-    llm = LLM(path, device="cpu", num_kv_blocks=8, host_kv_gb=0.01, policy=no_reserve)
+    # no prefix caching: a resumed request would load its prefix from host behind a fake event
+    llm = LLM(path, device="cpu", num_kv_blocks=8, host_kv_gb=0.01, policy=no_reserve,
+              enable_prefix_caching=False)
     engine, swapper = llm.engine, llm.engine.scheduler.swapper
     swapper.pending_event = SlowCopy  # fcfs recomputes, but its freed blocks still wait for "copies in flight"
     reqs = [engine.add_request([5] * 31, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

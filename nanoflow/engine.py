@@ -154,8 +154,8 @@ class Engine:
         swapper = s.swapper
         host = swapper.host if swapper else None
         return {"preemptions": 0, "resumes_load": 0, "resumes_recompute": 0, "bytes_to_host": 0,
-                "bytes_to_device": 0, "blocks_written_through": 0, "prefix_queried_tokens": 0,
-                "prefix_hit_tokens": 0, "prefix_host_hit_tokens": 0,
+                "bytes_to_device": 0, "blocks_written_through": 0, "blocks_demoted": 0,
+                "prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "prefix_host_hit_tokens": 0,
                 **s.counters, **(swapper.counters if swapper else {}),
                 "running": len(s.running), "waiting": len(s.waiting),
                 "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),

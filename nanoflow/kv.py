@@ -4,7 +4,9 @@ One tensor holds every block, block-major (docs/design.md, KV layout). A request
 lists its blocks; the scheduler asks the pool for room, and `Engine.run` gets the step's
 `slot_mapping` and `block_tables` from `build_metadata`. Prefix caching: a full block is named by a
 hash chained over its tokens and its parent's; blocks are reference-counted, and one nobody
-references stays cached (LRU) for prompts that start with it.
+references stays cached (LRU) for prompts that start with it. The host pool is the cache's second
+tier, exclusive as far as it can be: the cached blocks the device drops move to host (`evicted`,
+swap.py's `demote`), and a host copy of what the device still holds is the first to go.
 """
 
 import itertools
@@ -43,6 +45,8 @@ class KVPool:
         self.cached: dict[int, int] = {}  # hash -> block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.pending_free: list[tuple[torch.cuda.Event, list[int]]] = []  # a copy still reads them
+        self.upper_cached: dict[int, int] = {}  # host pool: the device's `cached`
+        self.evicted: list[tuple[int, int]] | None = None  # device pool: (block, hash) to demote
 
     def _pin(self) -> None:
         """Page-lock exactly this pool (pin_memory=True rounds up to a power of two)."""
@@ -84,7 +88,10 @@ class KVPool:
             block = self.free_blocks.popleft()
         else:
             block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash.pop(block)]
+            h = self.block_hash.pop(block)
+            del self.cached[h]
+            if self.evicted is not None:
+                self.evicted.append((block, h))
         self.ref_cnt[block] = 1
         return block
 
@@ -103,6 +110,8 @@ class KVPool:
         for block in blocks:
             if block in self.block_hash:
                 self.evictable[block] = None
+                if self.block_hash[block] in self.upper_cached:  # a copy: the first to go
+                    self.evictable.move_to_end(block, last=False)
             else:
                 self.free_blocks.append(block)
 
@@ -130,6 +139,11 @@ class KVPool:
             if block not in self.block_hash and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+
+    def touch(self, block: int) -> None:
+        """An unreferenced cached block was just used: the last to be evicted."""
+        if block in self.evictable:
+            self.evictable.move_to_end(block)
 
     def release_pending(self) -> None:
         done = [(e, b) for e, b in self.pending_free if e.query()]

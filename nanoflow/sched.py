@@ -255,6 +255,8 @@ class Scheduler:
         # a pool too short for the running requests has no room for anyone new
         if self.waiting and not short:
             self.policy.admit(self, scheduled, budget, now)
+        if self.swapper:
+            self.swapper.demote()  # the cached blocks taken this step keep their KV on host
         # a request started without room for a token waits for the next step
         return sorted(((r, n) for r, n in scheduled.items() if n > 0), key=lambda item: item[1] > 1)
 
@@ -396,10 +398,6 @@ class Scheduler:
             for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
                 self._cache_full_blocks(req)
         self.policy.after_step(self)
-        # the host pool is the cache's second tier: fill it while the link would idle in a step
-        idle_link = self.swapper and self.swapper.async_copies and self.swapper.backlog() < seconds
-        if self.enable_prefix_caching and idle_link:
-            self.swapper.write_through(self.running, self.swapper.blocks_in(seconds))
 
 
 def loaded(req: Request) -> bool:

@@ -152,6 +152,7 @@ class SimSwapper(Swapper):
         self.in_flight, self.queued_bytes, self.counters = deque(), 0, Counter()
         self.link_free_at = 0.0
         self.async_copies = True  # the modelled link runs beside compute, as on a GPU
+        self.link_tiers()
 
     def _occupy(self, num_blocks: int) -> float:
         """When a copy queued now would be done."""

@@ -2,8 +2,9 @@
 
 A host pool (kv.py's layout, in CPU memory) takes the blocks running requests fill, after a step,
 so preempting a request copies only its unsynced tail; resuming loads it into fresh device blocks.
-Full blocks keep their prefix-cache hashes on host (a second cache tier). On CUDA copies run on a
-side stream through two staging buffers (docs/design.md); on CPU every copy completes at once.
+Full blocks keep their prefix-cache hashes on host: a second cache tier, which also takes the
+cached blocks the device drops (`demote`). On CUDA copies run on a side stream through two staging
+buffers (docs/design.md); on CPU every copy completes at once.
 """
 
 import time
@@ -51,6 +52,12 @@ class Swapper:
         self.queued_bytes = 0  # issued and not finished yet
         self.bandwidth = BANDWIDTH_GUESS["cuda" if self.on_cuda else "cpu"]
         self.counters: Counter[str] = Counter()
+        self.link_tiers()
+
+    def link_tiers(self) -> None:
+        """The host tier learns what the device caches and what it drops."""
+        self.device.evicted = []
+        self.host.upper_cached = self.device.cached
 
     def write_through(self, reqs: list, max_blocks: int) -> None:
         """Copy reqs' filled, unsynced blocks to host, in order; host-cached ones are shared."""
@@ -115,8 +122,27 @@ class Swapper:
         self.host.free(host_blocks, after=self.pending_event())
         return n
 
+    def demote(self) -> None:
+        """Copy to host the cached blocks the device dropped since the last call, before anything
+        overwrites them: the two tiers together are one LRU cache."""
+        blocks, host_blocks, hashes = [], [], []
+        for block, h in self.device.evicted:
+            if h in self.host.cached:
+                self.host.touch(self.host.cached[h])
+            elif self.host.grow(host_blocks, (len(host_blocks) + 1) * self.host.block_size):
+                blocks.append(block)
+                hashes.append(h)
+        self.device.evicted.clear()
+        if blocks:
+            self._to_host(blocks, host_blocks)
+            self.host.cache_blocks(host_blocks, hashes)
+            # free() releases tail first: reversed, the least recently used block goes first
+            self.host.free(host_blocks[::-1], after=self.pending_event())
+            self.counters["blocks_demoted"] += len(blocks)
+
     def _load(self, req, host_ids: list[int], dev_ids: list[int]) -> None:
         """Copy host blocks into req's, after the copies to host (they may carry these blocks)."""
+        self.demote()
         self._drain()
         req.load_event = self._to_device(host_ids, dev_ids)
 
@@ -168,16 +194,15 @@ class Swapper:
         for lo in range(0, len(dev_ids), self.chunk_blocks):
             src = dev_ids[lo:lo + self.chunk_blocks]
             dev, host = self._claim_slot(len(src))
-
-            def gather_and_copy(src=src, dev=dev, host=host):
-                torch.index_select(self.device.kv_cache, 0, self._indices(src), out=dev)
-                host.copy_(dev, non_blocking=True)
+            # gathered on the compute stream: the next step may overwrite these blocks
+            torch.index_select(self.device.kv_cache, 0, self._indices(src), out=dev)
 
             def scatter(dst=torch.tensor(host_ids[lo:lo + len(src)]), staged=host,
                         pool=self.host.kv_cache):
                 pool.index_copy_(0, dst, staged)
 
-            self._copy_chunk("bytes_to_host", len(src), gather_and_copy, scatter)
+            self._copy_chunk("bytes_to_host", len(src),
+                             lambda dev=dev, host=host: host.copy_(dev, non_blocking=True), scatter)
 
     def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> torch.cuda.Event | None:
         for lo in range(0, len(host_ids), self.chunk_blocks):

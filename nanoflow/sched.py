@@ -577,12 +577,12 @@ class TokenFlow(FCFS):
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
-        if self.overloaded or any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            # the readers need every token, or a paused one runs dry (the estimates were kind)
-            return members
-        for r in s.waiting:
-            if r.started:
-                continue
+        if any(urgency[r][0] == 0 for r in s.waiting if r.started):
+            return members  # a paused reader runs dry: the estimates were kind
+        newcomers = [r for r in s.waiting if not r.started]
+        if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
+            capacity /= self.config.capacity_share  # the last few need not wait for the reserve
+        for r in newcomers:
             demand += r.read_rate
             prefill -= r.num_new_tokens
             if demand > capacity or prefill < 0:

@@ -577,11 +577,11 @@ class TokenFlow(FCFS):
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
+        if any(urgency[r][0] == 0 for r in s.waiting if r.started):
+            return members  # a paused reader runs dry: the estimates were kind
         newcomers = [r for r in s.waiting if not r.started]
         if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
             capacity /= self.config.capacity_share  # the last few need not wait for the reserve
-        elif any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            return members  # a paused reader runs dry: the estimates were kind
         for r in newcomers:
             demand += r.read_rate
             prefill -= r.num_new_tokens
@@ -640,17 +640,12 @@ class TokenFlow(FCFS):
         return switch + self.config.interval + s.step_time()
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """A reader that can wait a switch, else the newest newcomer, else the most buffered. A
-        keep-set member pushed out rejoins first: nobody else takes its room."""
+        """A reader that can wait a switch, else the newest newcomer, else the most buffered."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
-        fresh = [r for r in s.running if not r.started]
         if can_wait:
-            victim = max(can_wait, key=lambda r: r.dry_at)
-        else:
-            victim = fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
-        if victim in self.keep and victim not in self.joining:
-            self.joining.insert(0, victim)
-        return victim
+            return max(can_wait, key=lambda r: r.dry_at)
+        fresh = [r for r in s.running if not r.started]
+        return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
         """A token per running request, and prompt tokens while no reader runs dry meanwhile."""

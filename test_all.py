@@ -2994,3 +2994,17 @@ def test_readme_and_docs_links_point_at_what_exists():
             checked += 1
     assert checked >= 10  # the pattern finds the links
     assert os.path.getsize(os.path.join(root, "README.md")) < 15_000
+
+
+def test_live_view_says_how_long_the_engine_thread_has_been_in_one_step():
+    """No snapshot for BUSY_HINT_S: the viewer gets the seconds since the engine thread last came
+    between steps (it notes the time even when nobody watches), not a stale snapshot again."""
+    clock = [100.0]
+    view = live.LiveView(types.SimpleNamespace(clock=lambda: clock[0]), "m")
+    view.observe([])  # nobody watches: nothing is built, the time is noted
+    clock[0] = 103.5
+    with view.watching() as version:
+        assert view.next(version) == {"version": 0, "busy_s": 3.5}
+    assert view.snapshot is None
+    assert [live.paused_with(b) for b in (None, -0.1, 2.25)] == [
+        "before its first token", "while stalling", "with 2.2 s of buffer"]

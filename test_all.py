@@ -2638,7 +2638,8 @@ def test_live_view_costs_nothing_unwatched_and_streams_snapshots_watched(server,
         if len(frames) >= 8 and any(r["id"] == request_id for r in snapshot["rows"]):
             break
     elapsed = time.monotonic() - start
-    assert len(builds) <= elapsed / live.SNAPSHOT_INTERVAL_S + 2  # a few a second, not one per step
+    # a few a second, not one per step; one more each time the engine thread took the inbox
+    assert len(builds) <= elapsed / live.SNAPSHOT_INTERVAL_S + 4
     row = next(r for r in frames[-1]["rows"] if r["id"] == request_id)
     assert row["read_rate"] == 5 and row["max_tokens"] == 40
     assert row["state"] in ("running", "prefilling", "waiting", "finished")
@@ -2674,7 +2675,8 @@ def test_live_page_needs_no_key_but_its_events_do(server, monkeypatch):
 
 
 class Browser:
-    """Headless Chromium over its DevTools pipe: commands go in on its fd 3, replies out on fd 4."""
+    """Headless Chromium over its DevTools pipe: commands go in on its fd 3, replies out on fd 4.
+    Every event it sends (console, log, network) is kept in `events`."""
 
     def __init__(self, executable: str, url: str, profile: str, timeout: float = 30.0):
         cmd_r, self.cmd = os.pipe()
@@ -2692,10 +2694,14 @@ class Browser:
                                      stderr=subprocess.DEVNULL)
         os.close(cmd_r)
         os.close(reply_w)
-        self.timeout, self.pending, self.next_id = timeout, b"", 0
+        self.timeout, self.pending, self.next_id, self.events = timeout, b"", 0, []
         page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
         attached = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)
         self.session = attached["sessionId"]
+        # hear the page's console, log and network from its first request on: listen, then reload
+        for domain in ("Runtime", "Log", "Network", "Page"):
+            self.call(f"{domain}.enable", self.session)
+        self.call("Page.reload", self.session)
 
     def call(self, method: str, session: str | None = None, **params) -> dict:
         self.next_id += 1
@@ -2711,6 +2717,8 @@ class Browser:
                 if reply.get("id") == self.next_id:
                     assert "error" not in reply, reply
                     return reply["result"]
+                if "method" in reply:
+                    self.events.append(reply)
             left = max(0.0, deadline - time.monotonic())
             assert select.select([self.replies], [], [], left)[0], f"no reply to {method}"
             chunk = os.read(self.replies, 1 << 20)
@@ -2723,8 +2731,20 @@ class Browser:
         assert "exceptionDetails" not in result, result
         return result["result"].get("value")
 
+    def resize(self, width: int, height: int, mobile: bool = False) -> None:
+        """A window of this size; `mobile`: a phone's, which honours the page's viewport meta."""
+        self.call("Emulation.setDeviceMetricsOverride", self.session, width=width, height=height,
+                  deviceScaleFactor=1, mobile=mobile)
+
+    def press_enter(self) -> None:
+        """A real Enter key in the focused element (a form submits on it; setting .value does not)."""
+        key = {"key": "Enter", "code": "Enter", "windowsVirtualKeyCode": 13}
+        self.call("Input.dispatchKeyEvent", self.session, type="keyDown", text="\r", **key)
+        self.call("Input.dispatchKeyEvent", self.session, type="keyUp", **key)
+
     def screenshot(self) -> bytes:
-        return base64.b64decode(self.call("Page.captureScreenshot", self.session)["data"])
+        shot = self.call("Page.captureScreenshot", self.session, captureBeyondViewport=True)
+        return base64.b64decode(shot["data"])
 
     def close(self) -> None:
         self.proc.kill()
@@ -2744,41 +2764,178 @@ def chromium() -> str:
 
 ROWS_JS = ("JSON.stringify([...document.querySelectorAll('#rows tr')]"
            ".map(t => [t.dataset.id, t.dataset.buffer]))")
-KEY_ASKED_JS = "typeof $ === 'function' && getComputedStyle($('keyform')).display === 'block'"
+KEY_ASKED_JS = "typeof $ === 'function' && !$('keyform').hidden"
+# the answer box shows its newest text: scrolled to its bottom
+AT_BOTTOM_JS = "(b => b.scrollTop + b.clientHeight >= b.scrollHeight - 2)($('answer'))"
+# (the box, its left, right, top, bottom) of each panel shown, the window's width, the page's width
+PANELS_JS = ("JSON.stringify([[...document.querySelectorAll('section:not([hidden]), .scroll')]"
+             ".map(s => [s.querySelector('h2') ? s.querySelector('h2').textContent : s.className,"
+             " ...['left', 'right', 'top', 'bottom'].map(k => s.getBoundingClientRect()[k])]),"
+             " innerWidth, document.documentElement.scrollWidth])")
+# the chart drawn at its size on screen (its text never stretched): canvas pixels = CSS pixels
+CHART_SHARP_JS = ("(c => c.width === Math.round(c.clientWidth * devicePixelRatio) &&"
+                  " c.height === Math.round(c.clientHeight * devicePixelRatio))($('chart'))")
 
 
-def test_live_page_in_headless_chromium(tmp_path):
-    """The demo model behind --api-key: the page asks for the key, shows rows for three streams
-    whose buffers move and then end (their readers done), and says so when the server goes away."""
+def test_live_page_in_headless_chromium(tmp_path, ckpt, monkeypatch):
+    """A server behind --api-key, with the tiny model: it decodes far faster than its readers read
+    even on a loaded machine (the demo model did not always), so every buffer rises, then falls as
+    its reader reads; every wait below ends on something the page or the server does. The page asks
+    for the key (Enter submits it; a wrong one is refused aloud), shows rows whose buffers move and
+    end, shows new requests before the engine's step is over and says when a step runs long, follows
+    the chat's newest text unless the reader scrolled up, stops the chat on Stop, fits every width,
+    greys out a stopped server's numbers and starts clean with the next server, which it reports as
+    loading; no console error and no 404 on the way."""
     executable = chromium()
-    srv = make_server(LLM(device="cpu", num_kv_blocks=64), "127.0.0.1", 0, api_key="sekrit").start()
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
+    srv = make_server(llm, "127.0.0.1", 0, api_key="sekrit",
+                      generation_config={"ignore_eos": True}).start()  # every chat: 256 tokens
+    holding, permits, step = threading.Event(), threading.Semaphore(0), llm.engine.step
+
+    def held_step():  # while holding, a step with requests takes a permit (an idle one never waits)
+        if holding.is_set() and llm.engine.has_unfinished():
+            permits.acquire()
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", held_step)
     browser = Browser(executable, srv.url + "/", str(tmp_path / "profile"))
+    srv2 = None
     try:
-        wait_for(lambda: browser.evaluate(KEY_ASKED_JS), 20)
-        browser.evaluate("$('key').value = 'sekrit'; $('keybtn').click()")
-        wait_for(lambda: browser.evaluate("$('status').textContent") == "live", 20)
-        ids, seen, shot, full = [], {}, None, False
-        for rate in (2, 2.5, 3):  # slower than the demo model decodes on 2 cores beside a browser
-            threading.Thread(target=stream_with_key, args=(srv, rate, ids), daemon=True).start()
-        start = time.monotonic()
-        while len(ids) < 3 or any(i not in seen for i in ids) or any(i in current for i in ids):
-            assert time.monotonic() - start < 120, (ids, seen)
-            current = dict(json.loads(browser.evaluate(ROWS_JS)))
-            for request_id, buffer in current.items():
-                seen.setdefault(request_id, []).append(int(buffer))
-            if len(current) == 3 and (shot is None or not full):  # retaken once all have a buffer
-                full = all(int(b) > 0 for b in current.values())
-                shot = browser.screenshot()
-            time.sleep(0.1)
-        assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell
-        assert browser.evaluate("$('policy').textContent") == "tokenflow"
-        (tmp_path / "live.png").write_bytes(shot)
-        assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
+        wait_for(lambda: browser.evaluate(KEY_ASKED_JS), 30)
+        for typed in ("wrong", "sekrit"):
+            browser.evaluate(f"$('key').value = '{typed}'; $('key').focus()")
+            browser.press_enter()
+            if typed == "wrong":
+                wait_for(lambda: browser.evaluate(KEY_ASKED_JS + " && $('keymsg').textContent"), 30)
+                assert "refused" in browser.evaluate("$('keymsg').textContent")
+        wait_for(lambda: browser.evaluate("$('status').textContent") == "live", 30)
+        live_buffers_rise_and_fall(browser, srv, tmp_path)
+        live_shows_accepted_requests_and_long_steps(browser, holding, permits)
+        live_chat_follows_and_stops(browser, srv, holding, permits)
+        for width, height, mobile in [(360, 740, True), (390, 844, True), (1000, 700, False),
+                                      (1920, 1080, False), (2560, 1440, False)]:
+            live_fits(browser, width, height, mobile)
+            (tmp_path / f"live-{width}.png").write_bytes(browser.screenshot())
+        port = srv.server_address[1]
         srv.shutdown()
-        wait_for(lambda: "server went away" in browser.evaluate("$('gone').textContent"), 20)
+        wait_for(lambda: "server went away" in browser.evaluate("$('gone').textContent"), 30)
+        assert browser.evaluate("$('engine').classList.contains('stale')")
+        srv2 = make_server(None, "127.0.0.1", port, api_key="sekrit").start()  # a restart: loading
+        wait_for(lambda: "loading the model" in browser.evaluate("$('gone').textContent"), 30)
+        assert browser.evaluate("$('engine').classList.contains('stale')")
+        srv2.attach(LLM(ckpt, device="cpu", num_kv_blocks=32))
+        wait_for(lambda: browser.evaluate("$('device').textContent") == "0 / 32", 30)
+        # the first server's lines, rows and counts are gone; the page is live again
+        assert browser.evaluate("[lines.size, $('rows').children.length, $('engine').className,"
+                                " getComputedStyle($('gone')).display]") == [0, 0, "", "none"]
+        assert_no_console_error(browser.events)
     finally:
+        holding.clear()
+        permits.release(10)
         browser.close()
         srv.shutdown()
+        if srv2 is not None:
+            srv2.shutdown()
+
+
+def live_buffers_rise_and_fall(browser, srv, tmp_path) -> None:
+    """Three streams of 16 tokens: each row's buffer takes at least three values, and the row goes
+    once its reader is done: at most 16 / 2 s after the last token (readers at 2-3 tok/s)."""
+    ids, seen, shot, full, current = [], {}, None, False, {}
+    streams = [threading.Thread(target=stream_with_key, args=(srv, r, ids)) for r in (2, 2.5, 3)]
+    for stream in streams:
+        stream.start()
+    start, last_token_at = time.monotonic(), None
+    while len(ids) < 3 or any(i not in seen for i in ids) or any(i in current for i in ids):
+        if last_token_at is None and not any(s.is_alive() for s in streams):
+            last_token_at = time.monotonic()
+        assert (time.monotonic() - last_token_at < 16 / 2 + 30 if last_token_at
+                else time.monotonic() - start < 300), (ids, seen)
+        current = dict(json.loads(browser.evaluate(ROWS_JS)))
+        for request_id, buffer in current.items():
+            seen.setdefault(request_id, []).append(int(buffer))
+        if len(current) == 3 and (shot is None or not full):  # retaken once all have a buffer
+            full = all(int(b) > 0 for b in current.values())
+            shot = browser.screenshot()
+        time.sleep(0.1)
+    assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell
+    assert browser.evaluate("$('policy').textContent") == "tokenflow"
+    (tmp_path / "live.png").write_bytes(shot)
+    assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
+
+
+STATES_JS = "JSON.stringify([...document.querySelectorAll('#rows tr')].map(t => t.dataset.state))"
+
+
+def live_shows_accepted_requests_and_long_steps(browser, holding, permits) -> None:
+    """With the engine's next step held, the burst's requests that the engine thread took show at
+    once (waiting), and after a second the page says a step is in progress; all go once it ends."""
+    holding.set()
+    browser.evaluate("$('n').value = 2; $('plen').value = 8; $('olen').value = 4;"
+                     "$('mix').value = '50'; $('burst').click()")
+    wait_for(lambda: browser.evaluate("$('burststate').textContent") == "sent 2 of 2", 30)
+    # the engine thread took the first before its step (the second may come while it is held)
+    wait_for(lambda: json.loads(browser.evaluate(STATES_JS))[:1] == ["waiting"], 30)
+    wait_for(lambda: browser.evaluate("$('busy').textContent").startswith("step in progress"), 30)
+    holding.clear()
+    permits.release()
+    wait_for(lambda: browser.evaluate("$('rows').children.length") == 0, 30)  # read at 50 tok/s
+    assert browser.evaluate("$('busy').textContent") == ""
+
+
+def live_chat_follows_and_stops(browser, srv, holding, permits) -> None:
+    """The answer box (made small) keeps its newest text in view, stays where the reader scrolled
+    up to, follows again once they are back at the bottom; Stop aborts the request on the server,
+    which the engine holds (100 steps, then none) so that it cannot finish first."""
+    holding.set()
+    permits.release(100)
+    browser.evaluate("$('answer').style.cssText = 'min-height: 0; max-height: 3em; width: 8em';"
+                     "$('rate').value = 30; $('send').click()")
+    length = lambda: browser.evaluate("$('answer').textContent.length")  # noqa: E731
+    wait_for(lambda: browser.evaluate("(b => b.scrollHeight > b.clientHeight + 20)($('answer'))"), 60)
+    assert browser.evaluate(AT_BOTTOM_JS)
+    shown = browser.evaluate("$('answer').scrollTop = 0; $('answer').textContent.length")
+    wait_for(lambda: length() > shown + 10, 60)
+    assert browser.evaluate("$('answer').scrollTop") == 0  # scrolled up: left there
+    shown = browser.evaluate("(b => (b.scrollTop = b.scrollHeight, b.textContent.length))($('answer'))")
+    wait_for(lambda: length() > shown + 10, 60)
+    assert browser.evaluate(AT_BOTTOM_JS)
+    browser.evaluate("$('stop').click()")
+    wait_for(lambda: browser.evaluate("$('chatstate').textContent").startswith("stopped"), 30)
+    wait_for(lambda: not srv.loop.inbox.empty(), 30)  # the server saw the stream closed: an abort
+    holding.clear()
+    permits.release()
+    wait_for(lambda: not srv.engine.requests, 30)
+    _, _, text = call(srv, "GET", "/metrics", headers={"Authorization": "Bearer sekrit"})
+    assert prometheus_values(text)['nanoflow_requests_total{outcome="abort"}'] == 1
+
+
+def live_fits(browser, width: int, height: int, mobile: bool) -> None:
+    """At this window size nothing sticks out sideways, every panel lies within the width (the page
+    scrolls down to it), the panels stack below 900 px, and the chart is redrawn at its new size."""
+    browser.resize(width, height, mobile)
+    wait_for(lambda: browser.evaluate(CHART_SHARP_JS), 30)  # the next snapshot redraws it
+    panels, inner, page_width = json.loads(browser.evaluate(PANELS_JS))
+    assert inner == width and page_width <= inner, (width, page_width)
+    for name, left, right, top, bottom in panels:
+        assert 0 <= left < right <= inner and top < bottom, (width, name, left, right)
+    table, chat = (next(p for p in panels if p[0].startswith(h)) for h in ("Requests", "Chat"))
+    assert (chat[3] >= table[4]) == (width < 900), (width, table, chat)  # chat below: stacked
+
+
+def assert_no_console_error(events: list[dict]) -> None:
+    """No script error, console error or warning, nor 404; the browser's own error lines only for
+    what the test did on purpose: a wrong key (401), a server stopped (refused) or loading (503)."""
+    expected = ("status of 401", "status of 503", "ERR_CONNECTION_REFUSED")
+    for event in events:
+        method, params = event["method"], event.get("params", {})
+        assert method != "Runtime.exceptionThrown", params
+        if method == "Runtime.consoleAPICalled":
+            assert params["type"] not in ("error", "warning", "assert"), params
+        if method == "Network.responseReceived":
+            assert params["response"]["status"] != 404, params["response"]["url"]
+        if method == "Log.entryAdded" and params["entry"]["level"] == "error":
+            assert any(s in params["entry"]["text"] for s in expected), params["entry"]
 
 
 def stream_with_key(server, rate: float, ids: list[str]) -> None:
@@ -2805,3 +2962,51 @@ def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits(
     toy = [[1, 2], [1, 2, 3], [4], [1, 5]]  # hits: 0, 2 (1, 2), 0, then 1 (1) unless evicted by 3, 4
     assert bench.lru_hit_rate(toy, 100) == 3 / 8 and bench.lru_hit_rate(toy, 3) == 2 / 8
     assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(0.64, abs=0.01)  # the trace's README
+
+
+# ------------------------------------------------ issue 29: a README that invites, a live page that works on any screen
+
+import glob  # noqa: E402
+import re  # noqa: E402
+
+
+def markdown_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_links_point_at_what_exists():
+    """Every relative link in README.md and docs/*.md names a file that exists, and a #part of a
+    Markdown file names one of its headings; README stays a first-hour read (under 15 KB)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    pages = [os.path.join(root, "README.md"), *glob.glob(os.path.join(root, "docs", "*.md"))]
+    checked = 0
+    for page in pages:
+        text = open(page, encoding="utf-8").read()
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, part = target.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert os.path.exists(file), f"{os.path.relpath(page, root)}: no {target}"
+            if part and file.endswith(".md"):
+                headings = re.findall(r"^#+ (.+)$", open(file, encoding="utf-8").read(), re.M)
+                assert part in map(markdown_anchor, headings), f"{os.path.relpath(page, root)}: {target}"
+            checked += 1
+    assert checked >= 10  # the pattern finds the links
+    assert os.path.getsize(os.path.join(root, "README.md")) < 15_000
+
+
+def test_live_view_says_how_long_the_engine_thread_has_been_in_one_step():
+    """No snapshot for BUSY_HINT_S: the viewer gets the seconds since the engine thread last came
+    between steps (it notes the time even when nobody watches), not a stale snapshot again."""
+    clock = [100.0]
+    view = live.LiveView(types.SimpleNamespace(clock=lambda: clock[0]), "m")
+    view.observe([])  # nobody watches: nothing is built, the time is noted
+    clock[0] = 103.5
+    with view.watching() as version:
+        assert view.next(version) == {"version": 0, "busy_s": 3.5}
+    assert view.snapshot is None
+    assert [live.paused_with(b) for b in (None, -0.1, 2.25)] == [
+        "before its first token", "while stalling", "with 2.2 s of buffer"]

@@ -173,8 +173,7 @@ class EngineLoop(threading.Thread):
             self.snapshot = self.engine.stats()
             for req in stepped:
                 self._publish(self.choices[req.request_id])
-            if self.live.viewers:
-                self.live.observe(stepped)
+            self.live.observe(stepped)
 
     def _take_inbox(self, block: bool) -> bool:
         """Make the inbox's calls (waiting for one when idle); False once asked to stop."""
@@ -193,6 +192,7 @@ class EngineLoop(threading.Thread):
             call()
         if calls:
             self.snapshot = self.engine.stats()
+            self.live.observe([], fresh=True)  # viewers see new requests before a long step
         return True
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -543,7 +543,7 @@ class Handler(BaseHTTPRequestHandler):
             # on the engine thread, which this wakes: an idle one then publishes snapshots too
             self.server.loop.inbox.put(self.server.live.restart)
             with suppress(OSError):  # the viewer left
-                while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
+                while snapshot := self.server.live.next(version):
                     version = snapshot["version"]
                     self._sse(snapshot)
 

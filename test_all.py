@@ -2803,3 +2803,152 @@ def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits(
     toy = [[1, 2], [1, 2, 3], [4], [1, 5]]  # hits: 0, 2 (1, 2), 0, then 1 (1) unless evicted by 3, 4
     assert bench.lru_hit_rate(toy, 100) == 3 / 8 and bench.lru_hit_rate(toy, 3) == 2 / 8
     assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(0.64, abs=0.01)  # the trace's README
+
+
+# ------------------------------------------------ issue 27: Qwen3, Llama 3.2, Mistral; thinking models
+# Each family against transformers on a random checkpoint the test writes (every RMSNorm weight random, so
+# that a norm skipped or misplaced shows); GGUF files written with the `gguf` package's own writer and tensor
+# names; the reasoning split on a fixed template and a forced token stream.
+
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def write_family(path, family: str, seed: int = 0):
+    """A random checkpoint of a new family, saved by transformers; returns the transformers model."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "qwen3":  # head_dim 32 != 64 / 4, GQA, untied (as Qwen3-8B)
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, eos_token_id=2))
+    elif family == "llama3.2":  # Llama 3.2 1B's shape, scaled down: tied, one KV head per 4, rope factor 32
+        cfg = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True, rope_scaling=LLAMA32_ROPE,
+                          rope_theta=500000.0, eos_token_id=2)
+        model = LlamaForCausalLM(cfg)
+    else:
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+    model.eval().save_pretrained(path)
+    write_tokenizer(path, TINY["vocab_size"])
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3.2", "mistral"])
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, write_family(path, request.param)
+
+
+def test_new_families_match_transformers_batched_chunked_and_preempted(family):
+    name, path, hf = family
+    assert json.loads((path / "config.json").read_text())["architectures"][0] == type(hf).__name__
+    llm = LLM(path, device="cpu", num_kv_blocks=64)
+    for prompt in random_prompts(2, TINY["vocab_size"], seed=1, lengths=(40, 100)):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+    prompts = random_prompts(5, TINY["vocab_size"], seed=2, lengths=(10, 70))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # chunked prefill (24-token steps) mixed with decodes, a request preempted every 3 steps
+    batched = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                  policy=Forced(3, "load"))
+    outs = batched.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, name
+    assert batched.stats()["preemptions"] >= len(prompts)
+
+
+def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(family, tmp_path):
+    name, path, _ = family
+    if name != "mistral":
+        pytest.skip("one checkpoint is enough")
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(ValueError, match="'GemmaForCausalLM'.*LlamaForCausalLM, MistralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(tmp_path, device="cpu", num_kv_blocks=64)
+    # Mistral v0.1 attends to a window of the last tokens: served only when the context fits inside it
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
+    with pytest.raises(ValueError, match="sliding_window.*max_model_len <= 100 \\(now 512\\)"):
+        LLM(tmp_path, device="cpu", num_kv_blocks=64)
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=64, max_model_len=100).engine.max_model_len == 100
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=4).engine.max_model_len == 64  # the pool is the context
+    # Qwen2/3 configs name a window and switch it off
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False}))
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=64).engine.max_model_len == 512
+
+
+def write_gguf(path, ckpt, hf) -> None:
+    """The checkpoint as llama.cpp's converter lays it out: its tensor names (the gguf package's map), llama's
+    q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, the vocabulary padded to the model's."""
+    import gguf
+
+    cfg = hf.config
+    arch = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[cfg.architectures[0]]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+                           + [gguf.TokenType.USER_DEFINED] * (cfg.vocab_size - len(tokens)))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3 if arch == "qwen3" else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)
+    for name, w in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's permute
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), w.float().numpy())
+    if cfg.rope_parameters.get("rope_type") == "llama3":  # divisors of the default frequencies
+        d = cfg.head_dim
+        default = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        writer.add_tensor("rope_freqs.weight", (default / hf.model.rotary_emb.inv_freq.double()).float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_the_same_safetensors_checkpoint(family, tmp_path):
+    name, path, hf = family
+    if name == "mistral":
+        pytest.skip("llama.cpp writes Mistral as llama: the llama3.2 case reads that layout")
+    write_gguf(tmp_path / "model.gguf", path, hf)
+    from_gguf = LLM(tmp_path / "model.gguf", device="cpu", num_kv_blocks=64)
+    from_hf = LLM(path, device="cpu", num_kv_blocks=64)
+    assert from_gguf.engine.config.architecture == type(hf).__name__
+    assert from_gguf.engine.config.tie_word_embeddings == (name == "llama3.2")
+    prompt = random_prompts(1, TINY["vocab_size"], seed=3, lengths=(60, 60))[0]
+    assert (engine_logits(from_gguf, prompt) - engine_logits(from_hf, prompt)).abs().max() <= 1e-5
+    prompts = random_prompts(3, TINY["vocab_size"], seed=4, lengths=(5, 40))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ([o.token_ids for o in from_gguf.generate(prompts, params)]
+            == [o.token_ids for o in from_hf.generate(prompts, params)])
+    assert from_gguf.tokenizer.encode("the quick brown fox") == from_hf.tokenizer.encode("the quick brown fox")

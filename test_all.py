@@ -2952,3 +2952,128 @@ def test_gguf_matches_the_same_safetensors_checkpoint(family, tmp_path):
     assert ([o.token_ids for o in from_gguf.generate(prompts, params)]
             == [o.token_ids for o in from_hf.generate(prompts, params)])
     assert from_gguf.tokenizer.encode("the quick brown fox") == from_hf.tokenizer.encode("the quick brown fox")
+
+
+REASONING_CASES = [  # output text, end of the prompt, the reasoning and the content it splits into
+    ("<think>\nthe fox\n</think>\n\nhello", "<|im_start|>assistant\n", "\nthe fox\n", "\n\nhello"),
+    ("hello world", "<|im_start|>assistant\n", "", "hello world"),  # no think block: all answer
+    ("<think>\nthe fox", "assistant\n", "\nthe fox", ""),  # cut by max_tokens while thinking
+    ("<think>\nthe fox</thi", "assistant\n", "\nthe fox</thi", ""),  # cut inside the end marker
+    ("<thi", "assistant\n", "", "<thi"),  # began like a marker; was not one
+    ("<think>", "assistant\n", "", ""),
+    ("the fox\n</think>\n\nhello", "assistant\n<think>\n", "the fox\n", "\n\nhello"),  # the template opened it
+    ("hello", "<think>\n\n</think>\n\n", "", "hello"),  # enable_thinking=False: an empty block in the prompt
+    ("<think>a<</think>b</think>", "", "a<", "b</think>"),
+]
+
+
+@pytest.mark.parametrize("text,tail,reasoning,content", REASONING_CASES)
+def test_reasoning_parser_splits_every_chunking_of_a_text_alike(text, tail, reasoning, content):
+    from nanoflow.reasoning import ReasoningParser
+
+    cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1)]
+    for pieces in [[text[:i], text[i:j], text[j:]] for i, j in cuts] + [list(text)]:
+        parser = ReasoningParser("qwen3", tail)
+        got = [parser.feed(p) for p in pieces] + [parser.flush()]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content), pieces
+
+
+@pytest.fixture(scope="module")
+def thinking_ckpt(tmp_path_factory):
+    """A Qwen3 checkpoint whose tokenizer has Qwen3's think markers (added, not special) and whose template
+    has Qwen3's generation prompt, enable_thinking included."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3-thinking")
+    write_family(path, "qwen3")
+    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tk.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tk.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE,
+                                                            "eos_token": "<|im_end|>"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_ckpt):
+    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny",
+                      reasoning_parser="qwen3").start()
+    yield srv
+    srv.shutdown()
+
+
+def force_output(server, monkeypatch, text: str) -> list[int]:
+    """Every request generates the tokens of `text`, then end-of-turn: the model's own sampling is skipped."""
+    tok = server.engine.tokenizer
+    ids = tok.encode(text) + [tok.tk.token_to_id("<|im_end|>")]
+    monkeypatch.setattr(server.engine, "run", lambda batch: [ids[r.num_output_tokens] for r in batch.sampled])
+    return ids
+
+
+def chat_both_ways(server, body: dict) -> tuple[list[dict], list[list[dict]], dict]:
+    """The messages of a whole answer, each choice's streamed deltas, and the usage, for one body."""
+    status, _, whole = call(server, "POST", CHAT, {"messages": HELLO, **body})
+    assert status == 200, whole
+    sock, resp = open_stream(server, CHAT, {"messages": HELLO, **body})
+    chunks = [c for _, c in sse(resp) if c != "[DONE]"]
+    deltas = [[c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+              for i in range(len(whole["choices"]))]
+    assert [c["finish_reason"] for c in whole["choices"]] == [
+        [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["index"] == i][-1]
+        for i in range(len(whole["choices"]))]
+    return [c["message"] for c in whole["choices"]], deltas, whole
+
+
+@pytest.mark.parametrize("body,reasoning,content,finish", [
+    ({"n": 2}, "\nthe fox\n", "\n\nhello world", "stop"),
+    ({"max_tokens": 3}, None, None, "length"),  # cut while thinking: the reasoning so far, no answer
+    ({"stop": ["fox"]}, "\nthe ", None, "stop"),  # a stop string inside the thinking stops it
+    ({"stop": ["hello"]}, "\nthe fox\n", "\n\n", "stop"),
+])
+def test_reasoning_content_streamed_and_whole(thinking_server, monkeypatch, body, reasoning, content, finish):
+    ids = force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
+    messages, deltas, whole = chat_both_ways(thinking_server, body)
+    if body.get("max_tokens") == 3:  # whatever the first three tokens spell after the marker
+        reasoning = thinking_server.engine.tokenizer.decode(ids[:3]).removeprefix("<think>")
+        assert whole["usage"]["completion_tokens"] == 3 and reasoning
+    if "n" in body:  # max_tokens and usage count the thinking too
+        assert whole["usage"]["completion_tokens"] == 2 * len(ids)
+    for message, streamed in zip(messages, deltas, strict=True):
+        assert (message["reasoning_content"], message["content"], whole["choices"][0]["finish_reason"]) == (
+            reasoning, content, finish)
+        assert streamed[0] == {"role": "assistant", "content": ""}
+        kinds = [k for d in streamed[1:] for k in d]
+        assert kinds == sorted(kinds, key=lambda k: k == "content")  # the thinking streams first
+        assert "".join(d.get("reasoning_content", "") for d in streamed) == (reasoning or "")
+        assert "".join(d.get("content", "") for d in streamed) == (content or "")
+
+
+def test_an_answer_without_thinking_and_chat_template_kwargs(thinking_server, monkeypatch):
+    force_output(thinking_server, monkeypatch, "hello world")
+    got = capture_params(thinking_server, monkeypatch)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    messages, deltas, _ = chat_both_ways(thinking_server, off)
+    assert (messages[0]["reasoning_content"], messages[0]["content"]) == (None, "hello world")
+    assert all("reasoning_content" not in d for d in deltas[0])
+    # the template's kwargs reach it: Qwen3's empty think block ends the prompt
+    assert thinking_server.engine.tokenizer.decode(got[0][0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    status, _, default = call(thinking_server, "POST", "/tokenize", {"messages": HELLO})
+    assert thinking_server.engine.tokenizer.decode(default["tokens"]).endswith("assistant\n")
+    status, _, err = call(thinking_server, "POST", CHAT, {"messages": HELLO, "chat_template_kwargs": [1]})
+    assert status == 400 and "chat_template_kwargs" in err["error"]["message"]
+
+
+def test_reasoning_parser_is_off_by_default(thinking_ckpt, monkeypatch):
+    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0).start()
+    try:
+        text = "<think>\nthe fox\n</think>\n\nhello world"
+        force_output(srv, monkeypatch, text)
+        messages, deltas, _ = chat_both_ways(srv, {})
+        assert messages[0] == {"role": "assistant", "content": text}
+        assert "".join(d.get("content", "") for d in deltas[0]) == text
+    finally:
+        srv.shutdown()
+    assert parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert parse_args([]).reasoning_parser is None
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: qwen3"):
+        make_server(None, "127.0.0.1", 0, reasoning_parser="r1")

@@ -93,11 +93,11 @@ class ChoiceDelta:
 
     index: int = 0
     text: str = ""
-    reasoning: str = ""  # with --reasoning-parser: the thinking (`text` is then the answer)
     logprobs: list = field(default_factory=list)  # per new token: (id, (logprob, top alternatives))
     finish_reason: str | None = None
     completion_tokens: int = 0  # at the end
     error: HTTPError | None = None
+    reasoning: str = ""  # with --reasoning-parser: the thinking (`text` is then the answer)
 
 
 @dataclass

@@ -2818,7 +2818,9 @@ QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['con
 
 
 def write_family(path, family: str, seed: int = 0):
-    """A random checkpoint of a new family, saved by transformers; returns the transformers model."""
+    """A random checkpoint of a new family, saved by transformers; returns the transformers model. Qwen3's
+    tokenizer has its think markers (added, not special) and its template Qwen3's generation prompt."""
+    from tokenizers import AddedToken, Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -2836,6 +2838,12 @@ def write_family(path, family: str, seed: int = 0):
                 p.normal_(1.0, 0.5)
     model.eval().save_pretrained(path)
     write_tokenizer(path, TINY["vocab_size"])
+    if family == "qwen3":
+        tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tk.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+        tk.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE,
+                                                                "eos_token": "<|im_end|>"}))
     return model
 
 
@@ -2890,7 +2898,8 @@ def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(fam
 
 def write_gguf(path, ckpt, hf) -> None:
     """The checkpoint as llama.cpp's converter lays it out: its tensor names (the gguf package's map), llama's
-    q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, the vocabulary padded to the model's."""
+    q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, added tokens as control (special) or
+    user-defined tokens, the vocabulary padded to the model's."""
     import gguf
 
     cfg = hf.config
@@ -2909,11 +2918,12 @@ def write_gguf(path, ckpt, hf) -> None:
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    added = {t["content"]: t["special"] for t in tok["added_tokens"]}
+    kinds = {True: gguf.TokenType.CONTROL, False: gguf.TokenType.USER_DEFINED}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)])
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    writer.add_token_types([kinds[added[t]] if t in added else gguf.TokenType.NORMAL for t in tokens]
                            + [gguf.TokenType.USER_DEFINED] * (cfg.vocab_size - len(tokens)))
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     writer.add_eos_token_id(vocab["<|im_end|>"])
@@ -2951,7 +2961,12 @@ def test_gguf_matches_the_same_safetensors_checkpoint(family, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert ([o.token_ids for o in from_gguf.generate(prompts, params)]
             == [o.token_ids for o in from_hf.generate(prompts, params)])
-    assert from_gguf.tokenizer.encode("the quick brown fox") == from_hf.tokenizer.encode("the quick brown fox")
+    text = "<think>\nthe quick</think> brown fox<|im_end|>"
+    assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
+    assert from_gguf.tokenizer.decode(from_hf.tokenizer.encode(text)) == from_hf.tokenizer.decode(
+        from_hf.tokenizer.encode(text)) == text.removesuffix("<|im_end|>")
+    if name == "qwen3":  # the markers are one token each, as in Qwen3's own tokenizer
+        assert len(from_gguf.tokenizer.encode("<think></think>")) == 2
 
 
 REASONING_CASES = [  # output text, end of the prompt, the reasoning and the content it splits into
@@ -2980,17 +2995,8 @@ def test_reasoning_parser_splits_every_chunking_of_a_text_alike(text, tail, reas
 
 @pytest.fixture(scope="module")
 def thinking_ckpt(tmp_path_factory):
-    """A Qwen3 checkpoint whose tokenizer has Qwen3's think markers (added, not special) and whose template
-    has Qwen3's generation prompt, enable_thinking included."""
-    from tokenizers import AddedToken, Tokenizer
-
     path = tmp_path_factory.mktemp("qwen3-thinking")
     write_family(path, "qwen3")
-    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tk.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE,
-                                                            "eos_token": "<|im_end|>"}))
     return path
 
 

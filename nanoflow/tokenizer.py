@@ -83,6 +83,9 @@ class Tokenizer:
         types = field("tokenizer.ggml.token_type")
         control = [tokens[i] for i, kind in enumerate(types) if kind == 3]  # 3 = control token
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        # 4 = user-defined: matched whole and decoded as text (Qwen3's <think>, </think>)
+        user = [tokens[i] for i, kind in enumerate(types) if kind == 4]
+        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
         eos += [tk.token_to_id(t) for t in END_OF_TURN if t in control]
         bos_id = field("tokenizer.ggml.bos_token_id")

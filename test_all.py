@@ -3010,3 +3010,281 @@ def test_live_view_says_how_long_the_engine_thread_has_been_in_one_step():
     assert view.snapshot is None
     assert [live.paused_with(b) for b in (None, -0.1, 2.25)] == [
         "before its first token", "while stalling", "with 2.2 s of buffer"]
+# ------------------------------------------------ issue 27: Qwen3, Llama 3.2, Mistral; thinking models
+# Each family against transformers on a random checkpoint the test writes (every RMSNorm weight random, so
+# that a norm skipped or misplaced shows); GGUF files written with the `gguf` package's own writer and tensor
+# names; the reasoning split on a fixed template and a forced token stream.
+
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def write_family(path, family: str, seed: int = 0):
+    """A random checkpoint of a new family, saved by transformers; returns the transformers model. Qwen3's
+    tokenizer has its think markers (added, not special) and its template Qwen3's generation prompt."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "qwen3":  # head_dim 32 != 64 / 4, GQA, untied (as Qwen3-8B)
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, eos_token_id=2))
+    elif family == "llama3.2":  # Llama 3.2 1B's shape, scaled down: tied, one KV head per 4, rope factor 32
+        cfg = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True, rope_scaling=LLAMA32_ROPE,
+                          rope_theta=500000.0, eos_token_id=2)
+        model = LlamaForCausalLM(cfg)
+    else:
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+    model.eval().save_pretrained(path)
+    write_tokenizer(path, TINY["vocab_size"])
+    if family == "qwen3":
+        tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tk.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+        tk.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE,
+                                                                "eos_token": "<|im_end|>"}))
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3.2", "mistral"])
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, write_family(path, request.param)
+
+
+def test_new_families_match_transformers_batched_chunked_and_preempted(family):
+    name, path, hf = family
+    assert json.loads((path / "config.json").read_text())["architectures"][0] == type(hf).__name__
+    llm = LLM(path, device="cpu", num_kv_blocks=64)
+    for prompt in random_prompts(2, TINY["vocab_size"], seed=1, lengths=(40, 100)):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+    prompts = random_prompts(5, TINY["vocab_size"], seed=2, lengths=(10, 70))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # chunked prefill (24-token steps) mixed with decodes, a request preempted every 3 steps
+    batched = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                  policy=Forced(3, "load"))
+    outs = batched.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, name
+    assert batched.stats()["preemptions"] >= len(prompts)
+
+
+def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(family, tmp_path):
+    name, path, _ = family
+    if name != "mistral":
+        pytest.skip("one checkpoint is enough")
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(ValueError, match="'GemmaForCausalLM'.*LlamaForCausalLM, MistralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(tmp_path, device="cpu", num_kv_blocks=64)
+    # Mistral v0.1 attends to a window of the last tokens: served only when the context fits inside it
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
+    with pytest.raises(ValueError, match="sliding_window.*max_model_len <= 100 \\(now 512\\)"):
+        LLM(tmp_path, device="cpu", num_kv_blocks=64)
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=64, max_model_len=100).engine.max_model_len == 100
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=4).engine.max_model_len == 64  # the pool is the context
+    # Qwen2/3 configs name a window and switch it off
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False}))
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=64).engine.max_model_len == 512
+
+
+def write_gguf(path, ckpt, hf) -> None:
+    """The checkpoint as llama.cpp's converter lays it out: its tensor names (the gguf package's map), llama's
+    q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, added tokens as control (special) or
+    user-defined tokens, the vocabulary padded to the model's."""
+    import gguf
+
+    cfg = hf.config
+    arch = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[cfg.architectures[0]]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    added = {t["content"]: t["special"] for t in tok["added_tokens"]}
+    kinds = {True: gguf.TokenType.CONTROL, False: gguf.TokenType.USER_DEFINED}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)])
+    writer.add_token_types([kinds[added[t]] if t in added else gguf.TokenType.NORMAL for t in tokens]
+                           + [gguf.TokenType.USER_DEFINED] * (cfg.vocab_size - len(tokens)))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3 if arch == "qwen3" else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)
+    for name, w in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's permute
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), w.float().numpy())
+    if cfg.rope_parameters.get("rope_type") == "llama3":  # divisors of the default frequencies
+        d = cfg.head_dim
+        default = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        writer.add_tensor("rope_freqs.weight", (default / hf.model.rotary_emb.inv_freq.double()).float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_the_same_safetensors_checkpoint(family, tmp_path):
+    name, path, hf = family
+    if name == "mistral":
+        pytest.skip("llama.cpp writes Mistral as llama: the llama3.2 case reads that layout")
+    write_gguf(tmp_path / "model.gguf", path, hf)
+    from_gguf = LLM(tmp_path / "model.gguf", device="cpu", num_kv_blocks=64)
+    from_hf = LLM(path, device="cpu", num_kv_blocks=64)
+    assert from_gguf.engine.config.architecture == type(hf).__name__
+    assert from_gguf.engine.config.tie_word_embeddings == (name == "llama3.2")
+    prompt = random_prompts(1, TINY["vocab_size"], seed=3, lengths=(60, 60))[0]
+    assert (engine_logits(from_gguf, prompt) - engine_logits(from_hf, prompt)).abs().max() <= 1e-5
+    prompts = random_prompts(3, TINY["vocab_size"], seed=4, lengths=(5, 40))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ([o.token_ids for o in from_gguf.generate(prompts, params)]
+            == [o.token_ids for o in from_hf.generate(prompts, params)])
+    text = "<think>\nthe quick</think> brown fox<|im_end|>"
+    assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
+    assert from_gguf.tokenizer.decode(from_hf.tokenizer.encode(text)) == from_hf.tokenizer.decode(
+        from_hf.tokenizer.encode(text)) == text.removesuffix("<|im_end|>")
+    if name == "qwen3":  # the markers are one token each, as in Qwen3's own tokenizer
+        assert len(from_gguf.tokenizer.encode("<think></think>")) == 2
+
+
+REASONING_CASES = [  # output text, end of the prompt, the reasoning and the content it splits into
+    ("<think>\nthe fox\n</think>\n\nhello", "<|im_start|>assistant\n", "\nthe fox\n", "\n\nhello"),
+    ("hello world", "<|im_start|>assistant\n", "", "hello world"),  # no think block: all answer
+    ("<think>\nthe fox", "assistant\n", "\nthe fox", ""),  # cut by max_tokens while thinking
+    ("<think>\nthe fox</thi", "assistant\n", "\nthe fox</thi", ""),  # cut inside the end marker
+    ("<thi", "assistant\n", "", "<thi"),  # began like a marker; was not one
+    ("<think>", "assistant\n", "", ""),
+    ("the fox\n</think>\n\nhello", "assistant\n<think>\n", "the fox\n", "\n\nhello"),  # the template opened it
+    ("hello", "<think>\n\n</think>\n\n", "", "hello"),  # enable_thinking=False: an empty block in the prompt
+    ("<think>a<</think>b</think>", "", "a<", "b</think>"),
+]
+
+
+@pytest.mark.parametrize("text,tail,reasoning,content", REASONING_CASES)
+def test_reasoning_parser_splits_every_chunking_of_a_text_alike(text, tail, reasoning, content):
+    from nanoflow.reasoning import ReasoningParser
+
+    cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1)]
+    for pieces in [[text[:i], text[i:j], text[j:]] for i, j in cuts] + [list(text)]:
+        parser = ReasoningParser("qwen3", tail)
+        got = [parser.feed(p) for p in pieces] + [parser.flush()]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content), pieces
+
+
+@pytest.fixture(scope="module")
+def thinking_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-thinking")
+    write_family(path, "qwen3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_ckpt):
+    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny",
+                      reasoning_parser="qwen3").start()
+    yield srv
+    srv.shutdown()
+
+
+def force_output(server, monkeypatch, text: str) -> list[int]:
+    """Every request generates the tokens of `text`, then end-of-turn: the model's own sampling is skipped."""
+    tok = server.engine.tokenizer
+    ids = tok.encode(text) + [tok.tk.token_to_id("<|im_end|>")]
+    monkeypatch.setattr(server.engine, "run", lambda batch: [ids[r.num_output_tokens] for r in batch.sampled])
+    return ids
+
+
+def chat_both_ways(server, body: dict) -> tuple[list[dict], list[list[dict]], dict]:
+    """The messages of a whole answer, each choice's streamed deltas, and the usage, for one body."""
+    status, _, whole = call(server, "POST", CHAT, {"messages": HELLO, **body})
+    assert status == 200, whole
+    sock, resp = open_stream(server, CHAT, {"messages": HELLO, **body})
+    chunks = [c for _, c in sse(resp) if c != "[DONE]"]
+    deltas = [[c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+              for i in range(len(whole["choices"]))]
+    assert [c["finish_reason"] for c in whole["choices"]] == [
+        [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["index"] == i][-1]
+        for i in range(len(whole["choices"]))]
+    return [c["message"] for c in whole["choices"]], deltas, whole
+
+
+@pytest.mark.parametrize("body,reasoning,content,finish", [
+    ({"n": 2}, "\nthe fox\n", "\n\nhello world", "stop"),
+    ({"max_tokens": 3}, None, None, "length"),  # cut while thinking: the reasoning so far, no answer
+    ({"stop": ["fox"]}, "\nthe ", None, "stop"),  # a stop string inside the thinking stops it
+    ({"stop": ["hello"]}, "\nthe fox\n", "\n\n", "stop"),
+])
+def test_reasoning_content_streamed_and_whole(thinking_server, monkeypatch, body, reasoning, content, finish):
+    ids = force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
+    messages, deltas, whole = chat_both_ways(thinking_server, body)
+    if body.get("max_tokens") == 3:  # whatever the first three tokens spell after the marker
+        reasoning = thinking_server.engine.tokenizer.decode(ids[:3]).removeprefix("<think>")
+        assert whole["usage"]["completion_tokens"] == 3 and reasoning
+    if "n" in body:  # max_tokens and usage count the thinking too
+        assert whole["usage"]["completion_tokens"] == 2 * len(ids)
+    for message, streamed in zip(messages, deltas, strict=True):
+        assert (message["reasoning_content"], message["content"], whole["choices"][0]["finish_reason"]) == (
+            reasoning, content, finish)
+        assert streamed[0] == {"role": "assistant", "content": ""}
+        kinds = [k for d in streamed[1:] for k in d]
+        assert kinds == sorted(kinds, key=lambda k: k == "content")  # the thinking streams first
+        assert "".join(d.get("reasoning_content", "") for d in streamed) == (reasoning or "")
+        assert "".join(d.get("content", "") for d in streamed) == (content or "")
+
+
+def test_an_answer_without_thinking_and_chat_template_kwargs(thinking_server, monkeypatch):
+    force_output(thinking_server, monkeypatch, "hello world")
+    got = capture_params(thinking_server, monkeypatch)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    messages, deltas, _ = chat_both_ways(thinking_server, off)
+    assert (messages[0]["reasoning_content"], messages[0]["content"]) == (None, "hello world")
+    assert all("reasoning_content" not in d for d in deltas[0])
+    # the template's kwargs reach it: Qwen3's empty think block ends the prompt
+    assert thinking_server.engine.tokenizer.decode(got[0][0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    status, _, default = call(thinking_server, "POST", "/tokenize", {"messages": HELLO})
+    assert thinking_server.engine.tokenizer.decode(default["tokens"]).endswith("assistant\n")
+    status, _, err = call(thinking_server, "POST", CHAT, {"messages": HELLO, "chat_template_kwargs": [1]})
+    assert status == 400 and "chat_template_kwargs" in err["error"]["message"]
+
+
+def test_reasoning_parser_is_off_by_default(thinking_ckpt, monkeypatch):
+    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0).start()
+    try:
+        text = "<think>\nthe fox\n</think>\n\nhello world"
+        force_output(srv, monkeypatch, text)
+        messages, deltas, _ = chat_both_ways(srv, {})
+        assert messages[0] == {"role": "assistant", "content": text}
+        assert "".join(d.get("content", "") for d in deltas[0]) == text
+    finally:
+        srv.shutdown()
+    assert parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert parse_args([]).reasoning_parser is None
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: qwen3"):
+        make_server(None, "127.0.0.1", 0, reasoning_parser="r1")

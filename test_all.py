@@ -1137,7 +1137,7 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
                                 num_computed_tokens=20)
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)
-    assert swapper.evict(req) and swapper.last_use != [None, None]
+    assert swapper.evict(req) and swapper.out.last_use != [None, None]
     pools = [weakref.ref(device.kv_cache), weakref.ref(host.kv_cache)]
     gc.disable()
     try:
@@ -1183,8 +1183,9 @@ def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
     path, _ = tiny
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(2, "load"))
     swapper = llm.engine.scheduler.swapper
-    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for _, h in swapper.staging)
-    assert swapper.stream != torch.cuda.current_stream()
+    lanes = (swapper.out, swapper.back)
+    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for x in lanes for _, h in x.staging)
+    assert len({swapper.out.stream, swapper.back.stream, torch.cuda.current_stream()}) == 3
     prompts = random_prompts(4, TINY["vocab_size"], seed=13, lengths=(20, 60))
     expected = [o.token_ids for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)]
     tokens, _ = run_checked(llm, prompts, GREEDY)
@@ -1485,6 +1486,7 @@ def test_metrics_count_prefix_hits(server):
 
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
     monkeypatch.setattr(server.loop, "max_waiting", 2)
+    monkeypatch.setattr("nanoflow.serve.START_BOUND_S", 0.0)  # every queued request counts
     streams = [open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)]
     status, resp, err = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})
     assert status == 503 and resp.getheader("Retry-After") == "1" and err["error"]["code"] == "overloaded"
@@ -3288,3 +3290,97 @@ def test_reasoning_parser_is_off_by_default(thinking_ckpt, monkeypatch):
     assert parse_args([]).reasoning_parser is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: qwen3"):
         make_server(None, "127.0.0.1", 0, reasoning_parser="r1")
+
+
+# ------------------------------------------------ issue 23: past capacity; the link is full duplex
+
+
+class FakeEvent:
+    """A CUDA event on the CPU: done once the test (or a host wait) says so."""
+
+    def __init__(self, **_):
+        self.done = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_its_blocks(monkeypatch):
+    """Copies to host and loads each have a stream and a queue: a load issued while an eviction is in
+    flight does not wait for it (both are in flight at once), unless the eviction fills the very host
+    blocks the load reads: then it waits for exactly those, and the KV loaded is the KV evicted."""
+    shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
+    monkeypatch.setattr("nanoflow.swap.STAGING_BYTES", 2 * 2 * 2 * 4 * 2 * 8 * 4)  # 2 blocks a chunk
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    device = KVPool(16, *shape, torch.float32, torch.device("cpu"))
+    host = KVPool(16, *shape, torch.float32, torch.device("cpu"), host=True)
+    swapper = Swapper(device, host)
+    swapper.on_cuda = True  # the CUDA path's books, its device work done at once on the CPU
+    for lane in (swapper.out, swapper.back):
+        lane.stream = types.SimpleNamespace(wait_stream=lambda s: None, device=None)
+    device.kv_cache.copy_(torch.randn(device.kv_cache.shape))
+
+    def request(num_tokens):
+        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
+                                    num_computed_tokens=num_tokens, load_event=None)
+        assert device.grow(req.block_table, num_tokens)
+        return req, device.kv_cache[req.block_table].clone()
+
+    (b, b_kv), (a, a_kv) = request(8), request(16)
+    assert swapper.evict(b)
+    swapper.complete_all()  # b's KV is on host; nothing in flight
+    assert swapper.evict(a)  # 4 blocks: two chunks in flight on the lane to host
+    evicting = list(swapper.out.in_flight)
+    assert len(evicting) == 2 and not swapper.back.in_flight
+    assert swapper.load(b)  # b's host blocks are not a's: the load does not wait for a's eviction
+    assert list(swapper.out.in_flight) == evicting and not any(t.done.query() for t in evicting)
+    assert len(swapper.back.in_flight) == 1 and b.load_event is swapper.back.in_flight[-1].done
+    assert set(swapper.pending_event().events) == {evicting[-1].done, b.load_event}
+    assert torch.equal(device.kv_cache[b.block_table], b_kv)
+    assert swapper.load(a)  # a's host blocks are filled by those very copies: it waits for them
+    assert not swapper.out.in_flight and all(t.done.query() for t in evicting)
+    assert torch.equal(device.kv_cache[a.block_table], a_kv)
+
+
+def test_simulated_link_carries_both_directions_at_once():
+    """In the simulator, a load queued behind a long eviction is done after its own bytes only."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    swapper, clock = engine.scheduler.swapper, engine.clock
+    block_s = swapper.transfer_time(1)
+    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out
+    event = swapper._to_device([0, 1], [0, 1])  # 2 blocks back
+    assert event.at == pytest.approx(clock() + 2 * block_s)
+    assert swapper.backlog() == pytest.approx(100 * block_s)
+    assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
+
+
+def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, monkeypatch):
+    """At 100 prompt tokens/s, four 50-token prompts start within START_BOUND_S (2 s): with
+    --max-waiting 2, the seventh request finds 6 queued, 2 of them stuck, and gets 503. Retry-After:
+    the one request over the limit, 10 tokens at a decode step of 0.5 s per request (a fitted line
+    through (2 requests, 1 s) with slope 0.5), is 10 x 0.5 = 5 s whatever the batch."""
+    rates = server.engine.scheduler.rates
+    monkeypatch.setattr(server.loop, "max_waiting", 2)
+    monkeypatch.setattr(rates, "observe", lambda *a: None)  # the test's rates, not the steps'
+    monkeypatch.setattr(rates, "prefill_rate", 100.0)
+    monkeypatch.setattr(rates, "decode_moments", (2.0, 1.0, 6.0, 3.0))
+    assert [rates.decode_time(b) for b in (1, 4)] == [0.5, 2.0]
+    body = dict(prompt=list(range(3, 53)), max_tokens=10)
+    streams = [open_stream(server, "/v1/completions", body) for _ in range(6)]
+    status, resp, err = call(server, "POST", "/v1/completions", body)
+    assert status == 503 and resp.getheader("Retry-After") == "5" and err["error"]["code"] == "overloaded"
+    gate.set()
+    for _, resp in streams:
+        assert [c for _, c in sse(resp)][-1] == "[DONE]"
+    assert all_free(server)

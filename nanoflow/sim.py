@@ -9,7 +9,7 @@ on a laptop, and what the simulator says about a policy is what that policy does
 """
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,7 +18,7 @@ from .engine import Engine, Request
 from .kv import KVPool, kv_block_bytes
 from .model import ModelConfig
 from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
-from .swap import Swapper
+from .swap import Lane, Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
 
@@ -142,37 +142,39 @@ class VirtualEvent:
 
 
 class SimSwapper(Swapper):
-    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are
-    Swapper's. Blocks being copied return to their pool, and loaded requests may run, once their
-    copy is done."""
+    """Transfers as time on a virtual host link, each direction its own queue (bytes / bandwidth,
+    in order; the link is full duplex); the books are Swapper's. Blocks being copied return to
+    their pool, and loaded requests may run, once their copy is done."""
 
     def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float):
         self.device, self.host, self.clock = device, host, clock
         self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
-        self.in_flight, self.queued_bytes, self.counters = deque(), 0, Counter()
-        self.link_free_at = 0.0
+        self.out, self.back = Lane(None, []), Lane(None, [])  # never in flight: time is modelled
+        self.free_at = {"out": 0.0, "back": 0.0}  # when each direction's queue is done
+        self.writing, self.counters = {}, Counter()
         self.async_copies = True  # the modelled link runs beside compute, as on a GPU
         self.link_tiers()
 
-    def _occupy(self, num_blocks: int) -> float:
-        """When a copy queued now would be done."""
-        start = max(self.link_free_at, self.clock())
-        self.link_free_at = start + num_blocks * self.block_bytes / self.bandwidth
-        return self.link_free_at
+    def _occupy(self, direction: str, num_blocks: int) -> float:
+        """When a copy queued now in this direction would be done."""
+        start = max(self.free_at[direction], self.clock())
+        self.free_at[direction] = start + num_blocks * self.block_bytes / self.bandwidth
+        return self.free_at[direction]
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
-        self._occupy(len(dev_ids))
+        self._occupy("out", len(dev_ids))
         self.counters["bytes_to_host"] += len(dev_ids) * self.block_bytes
 
     def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> VirtualEvent:
         self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
-        return VirtualEvent(self._occupy(len(host_ids)), self.clock)
+        return VirtualEvent(self._occupy("back", len(host_ids)), self.clock)
 
     def pending_event(self) -> VirtualEvent | None:
-        return VirtualEvent(self.link_free_at, self.clock) if self.backlog() else None
+        return VirtualEvent(max(self.free_at.values()), self.clock) if self.backlog() else None
 
-    def backlog(self) -> float:
-        return max(0.0, self.link_free_at - self.clock())
+    def backlog(self, lane: Lane | None = None) -> float:
+        ends = [self.free_at["back"]] if lane is self.back else self.free_at.values()
+        return max(0.0, max(ends) - self.clock())
 
 
 class ChargedScheduler(Scheduler):

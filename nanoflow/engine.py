@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
-from .model import ModelConfig, Transformer, demo_checkpoint, generation_config, load_model
+from .model import (ModelConfig, Shard, Transformer, demo_checkpoint, generation_config,
+                    load_model)
 from .sampler import sample, token_logprobs
 from .sched import (POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler,
                     TokenFlowConfig)
@@ -62,6 +64,7 @@ class EngineConfig:
     # vLLM's default; the rest of the device is for activations
     gpu_memory_utilization: float = knob(0.9, "GPU share for weights + KV cache", type=float)
     enforce_eager: bool = knob(False, "no CUDA graphs (a CPU never has them)", action="store_true")
+    tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)
     enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
                                        action=argparse.BooleanOptionalAction)
 
@@ -208,6 +211,7 @@ class Engine:
             ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
             last_rows = [ends[req] - 1 for req in batch.sampled]
             logits_indices = to_device(last_rows, torch.long, self.device)
+            # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
             logits = self.model(ids, positions, self.kv_caches, meta, logits_indices)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
@@ -367,21 +371,29 @@ class LLM:
         c = replace(config or EngineConfig(), **options)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
-        model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype))
+        tp = c.tensor_parallel_size
+        shard = dist.launch(ckpt, device, tp) if tp > 1 else Shard()
+        try:
+            model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
+        except BaseException:
+            # e.g. a size that does not divide the heads: the started workers must not linger
+            dist.shutdown()
+            raise
         self.generation_config = generation_config(ckpt)
-        cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, c.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = model.kv_block_shape(c.block_size)
         block_bytes = kv_block_bytes(*shape, dtype)
         blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes, c.gpu_memory_utilization)
         kv = KVPool(blocks, *shape, dtype, device)
         host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
         host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
         swapper = Swapper(kv, host) if host_blocks else None
+        if shard.size > 1:
+            dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
                               c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
-                             c.enforce_eager)
+        self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
+                             c.max_model_len, c.enforce_eager or shard.size > 1)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

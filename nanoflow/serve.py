@@ -29,6 +29,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from . import dist
 from .engine import LLM, Engine, EngineConfig
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
@@ -884,6 +885,7 @@ def main(argv: list[str] | None = None) -> None:
              args.shutdown_timeout)
     finished, cut = server.shutdown(args.shutdown_timeout)
     log.info("shut down: %d requests finished, %d cut", finished, cut)
+    dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Tensor parallelism: one process per rank over torch.distributed (NCCL on GPUs, gloo on CPUs).
 
 Rank 0 (the `LLM`'s process: scheduler, server, sampler) starts a worker per other rank (rank r on
-cuda:r). Rank 0 broadcasts the inputs of each forward and swap copy; every worker, with its shard of
-the weights and KV pools of the same block ids for its own KV heads, runs the same. A dead worker
-ends rank 0 within a second, naming it; a worker whose rank 0 is gone exits; SIGINT is rank 0's.
+cuda:r), or joins the ranks torchrun started, maybe on several machines. Rank 0 broadcasts the
+inputs of each forward, CUDA graph replay and swap copy; every worker, with its shard of the weights
+and KV pools of the same block ids for its own KV heads, runs the same. A dead worker ends rank 0
+within a second, naming it; a worker whose rank 0 is gone exits; signals are rank 0's to act on.
 """
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -21,61 +23,86 @@ import torch.multiprocessing as mp
 
 from .attention import AttnMetadata
 from .kv import KVPool
-from .model import Shard, Transformer, load_model
+from .model import Shard, load_model
 from .swap import Swapper
 
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its workers and a worker its parent
 JOIN_TIMEOUT_S = 10.0  # a worker that does not stop within this is killed
 # workers wait for the next step as long as the server idles; deaths are caught by the watchdogs
 IDLE_TIMEOUT = datetime.timedelta(days=365)
-workers: list = []  # rank 0's worker processes
+workers: list = []  # the worker processes rank 0 started (none under torchrun)
 control = None  # a gloo group for the step messages, whatever the backend of the collectives
+leading = False  # this process is rank 0 of a live process group
+
+
+def torchrun_rank() -> int:
+    return int(os.environ.get("RANK", 0))
 
 
 def launch(ckpt, device: torch.device, size: int) -> Shard:
-    """Start ranks 1..size-1 and join them in one process group as rank 0 (one tensor-parallel
-    LLM per process: a new one replaces the last)."""
+    """Join `size` ranks as rank 0 (one tensor-parallel LLM per process: a new one replaces the
+    last). Starts ranks 1..size-1, or, under torchrun, meets those it started; there a rank other
+    than 0 serves rank 0's steps instead, then ends its process."""
+    global leading
     shutdown()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = mp.get_context("spawn")
-    for rank in range(1, size):
-        # no device index: a worker's "cuda" is its current device, cuda:rank
-        args = (rank, size, init_method, str(ckpt), torch.device(device.type), os.getpid())
-        p = ctx.Process(target=worker, args=args, daemon=True, name=f"nanoflow-rank{rank}")
-        p.start()
-        workers.append(p)
-    threading.Thread(target=_watch_workers, daemon=True).start()
+    # no device index: a worker's "cuda" is its current device, cuda:(local) rank
+    device = torch.device(device.type)
+    if "WORLD_SIZE" in os.environ:
+        init_method = "env://"
+        if int(os.environ["WORLD_SIZE"]) != size:
+            raise ValueError(f"tensor_parallel_size {size}, but torchrun started "
+                             f"{os.environ['WORLD_SIZE']} processes")
+        if torchrun_rank():
+            worker(torchrun_rank(), size, init_method, str(ckpt), device)
+            sys.exit(0)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        ctx = mp.get_context("spawn")
+        for rank in range(1, size):
+            args = (rank, size, init_method, str(ckpt), device, os.getpid())
+            p = ctx.Process(target=_spawned, args=args, daemon=True, name=f"nanoflow-rank{rank}")
+            p.start()
+            workers.append(p)
+        threading.Thread(target=_watch_workers, daemon=True).start()
     _init(0, size, init_method, device)
+    leading = True
     return Shard(0, size)
 
 
-def lead(model: Transformer, kv: KVPool, swapper: Swapper | None) -> None:
-    """Give the workers the pools' shapes; from now on each forward of `model` and each copy of
-    `swapper` runs on every rank."""
+def lead(engine, swapper: Swapper | None, capture: bool) -> None:
+    """Give the workers the pools' shapes; with `capture`, capture the decode CUDA graphs together
+    with them. From now on each forward, replay and copy of rank 0 runs on every rank."""
+    kv = engine.kv
     num_host_blocks = swapper.host.num_blocks if swapper else 0
-    _broadcast((kv.kv_cache.dtype, kv.num_blocks, kv.block_size, num_host_blocks))
+    graphs = (engine.scheduler.max_num_seqs, engine.max_model_len) if capture else None
+    _broadcast((kv.kv_cache.dtype, kv.num_blocks, kv.block_size, num_host_blocks, graphs))
+    if capture:  # every rank warms up and captures at once, so that their all-reduces meet
+        engine.graphs = engine.decode_graphs(capture=True)
+        engine.graphs.run = _mirrored("decode", engine.graphs.run)
 
     def broadcast_inputs(_, args):
         input_ids, positions, _caches, meta, logits_indices = args
         _broadcast(("forward", (input_ids, positions, meta, logits_indices)))
-    model.register_forward_pre_hook(broadcast_inputs)
+    engine.model.register_forward_pre_hook(broadcast_inputs)
     for name in ("_to_host", "_to_device") if swapper else ():
         setattr(swapper, name, _mirrored(name, getattr(swapper, name)))
 
 
-def _mirrored(name: str, copy):
-    def broadcast_then_copy(*args):
+def _mirrored(name: str, call):
+    def broadcast_then_call(*args):
         _broadcast((name, args))
-        return copy(*args)
-    return broadcast_then_copy
+        return call(*args)
+    return broadcast_then_call
 
 
 def shutdown() -> None:
-    """Stop the workers and leave the process group (rank 0)."""
-    if not workers:
+    """Stop the workers and leave the process group (rank 0; also at exit)."""
+    global leading
+    if not leading:
         return
+    leading = False
     procs = list(workers)
     # first, so that the watchdog does not take these exits for deaths
     workers.clear()
@@ -87,27 +114,33 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
-def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.device, parent: int):
+atexit.register(shutdown)
+
+
+def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.device) -> None:
     """Rank `rank`: load this shard, then run every forward rank 0 broadcasts until told to stop."""
-    # Ctrl-C reaches the whole process group; rank 0 decides, then stops its workers
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _init(rank, size, init_method, device)
-    pools = _broadcast()
-    if pools is None:  # rank 0 could not load its shard
+    setup = _broadcast()
+    if setup is None:  # rank 0 could not load its shard
         return
-    dtype, num_blocks, block_size, num_host_blocks = pools
+    dtype, num_blocks, block_size, num_host_blocks, graphs = setup
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
     shape = model.kv_block_shape(block_size)
     kv = KVPool(num_blocks, *shape, dtype, device)
     host = KVPool(num_host_blocks, *shape, dtype, device, host=True) if num_host_blocks else None
     swapper = Swapper(kv, host) if host else None
     caches = kv.layer_caches()
+    if graphs:
+        from .engine import DecodeGraphs  # here: engine.py imports this module
+
+        graphs = DecodeGraphs(model, caches, *graphs, block_size, capture=True)
     while (msg := _broadcast()) is not None:
         name, args = msg
+        args = [_on(x, device) for x in args]
         if name == "forward":
-            input_ids, positions, meta, logits_indices = (_on(x, device) for x in args)
-            model(input_ids, positions, caches, meta, logits_indices)
+            model(*args[:2], caches, *args[2:])
+        elif name == "decode":
+            graphs.run(*args)
         else:
             getattr(swapper, name)(*args)
             # rank 0 orders its copies with events; a worker simply finishes each one
@@ -115,10 +148,22 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
     dist.destroy_process_group()
 
 
+def _spawned(rank: int, size: int, init_method: str, ckpt: str, device: torch.device,
+             parent: int) -> None:
+    """A worker rank 0 started: it ends when rank 0 says so, or is gone."""
+    # Ctrl-C and a service manager's SIGTERM reach the whole group: rank 0 drains, then stops us
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if device.type == "cpu":  # the ranks share this machine's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    worker(rank, size, init_method, ckpt, device)
+
+
 def _init(rank: int, size: int, init_method: str, device: torch.device) -> None:
     global control
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)

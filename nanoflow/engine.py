@@ -234,10 +234,7 @@ class Engine:
             self._append_token(req, token)
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
-        """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
-        most = self.scheduler.max_num_seqs
-        sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, most, GRAPH_BATCH_STEP)]
-        return DecodeGraphs(self.model, self.kv_caches, [s for s in sizes if s < most] + [most],
+        return DecodeGraphs(self.model, self.kv_caches, self.scheduler.max_num_seqs,
                             self.max_model_len, self.kv.block_size, capture)
 
     def _append_token(self, req: Request, token: int) -> None:
@@ -295,13 +292,15 @@ class Batch:
 
 class DecodeGraphs:
     """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
-    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
+    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs"). One for every batch
+    size up to max_num_seqs."""
 
-    def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
+    def __init__(self, model: Transformer, kv_caches: list, max_num_seqs: int, max_model_len: int,
                  block_size: int, capture: bool):
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = sorted(sizes)
+        sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]
+        self.sizes = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
         self.max_model_len = max_model_len
         n = self.sizes[-1]
         device = kv_caches[0][0].device
@@ -388,12 +387,13 @@ class LLM:
         host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
         host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
         swapper = Swapper(kv, host) if host_blocks else None
-        if shard.size > 1:
-            dist.lead(model, kv, swapper)
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
                               c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
+        # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead
         self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
-                             c.max_model_len, c.enforce_eager or shard.size > 1)
+                             c.max_model_len, c.enforce_eager or tp > 1)
+        if tp > 1:
+            dist.lead(self.engine, swapper, capture=not c.enforce_eager and device.type == "cuda")
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

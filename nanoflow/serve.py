@@ -865,6 +865,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if dist.torchrun_rank():  # another rank of `torchrun`: LLM() runs rank 0's steps, then exits
+        LLM(args.ckpt, **EngineConfig.flag_values(args))
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
     names = args.served_model_name or [model_id(args.ckpt)]

@@ -371,7 +371,7 @@ class LLM:
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
         tp = c.tensor_parallel_size
-        shard = dist.launch(ckpt, device, tp) if tp > 1 else Shard()
+        shard = dist.launch(ckpt, device, tp) if tp > 1 or dist.torchrun_rank() else Shard()
         try:
             model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
         except BaseException:

@@ -2831,6 +2831,7 @@ def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
     write_checkpoint(tmp_path, arch, num_key_value_heads=kv_heads)
     prompt = random_prompts(1, TINY["vocab_size"], seed=20, lengths=(40, 40))[0]
     one = LLM(tmp_path, device="cpu", num_kv_blocks=8)
+    assert not torch.distributed.is_initialized() and not dist.workers  # one rank: nothing of it
     expected = engine_logits(one, prompt)
     with tensor_parallel(tmp_path, num_kv_blocks=8) as llm:
         assert llm.engine.kv.kv_cache.shape[-2] == max(1, kv_heads // 2)
@@ -2930,7 +2931,7 @@ def live_children(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("end", ["kill a worker", signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("end", ["kill a worker", "SIGINT", "SIGTERM"])
 def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
     """A chat answer streams from two ranks. A dead worker ends the server within 5 s with an error
     naming it; Ctrl-C or a service manager's SIGTERM (to the whole process group) drains and ends
@@ -2958,7 +2959,7 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
             assert proc.wait(timeout=5) != 0
             assert f"worker nanoflow-rank1 (pid {worker}) died" in proc.stderr.read()
         else:
-            os.killpg(proc.pid, end)
+            os.killpg(proc.pid, getattr(signal, end))
             assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10
         while any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline:

@@ -138,7 +138,8 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
         name, args = msg
         args = [_on(x, device) for x in args]
         if name == "forward":
-            model(*args[:2], caches, *args[2:])
+            input_ids, positions, meta, logits_indices = args
+            model(input_ids, positions, caches, meta, logits_indices)
         elif name == "decode":
             graphs.run(*args)
         else:

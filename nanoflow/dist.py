@@ -131,9 +131,11 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
     swapper = Swapper(kv, host) if host else None
     caches = kv.layer_caches()
     if graphs:
-        from .engine import DecodeGraphs  # here: engine.py imports this module
+        from .engine import DecodeGraphs, graph_sizes  # here: engine.py imports this module
 
-        graphs = DecodeGraphs(model, caches, *graphs, block_size, capture=True)
+        max_num_seqs, max_model_len = graphs
+        graphs = DecodeGraphs(model, caches, graph_sizes(max_num_seqs), max_model_len, block_size,
+                              capture=True)
     while (msg := _broadcast()) is not None:
         name, args = msg
         args = [_on(x, device) for x in args]

@@ -239,7 +239,8 @@ class Engine:
             self._append_token(req, token)
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
-        return DecodeGraphs(self.model, self.kv_caches, self.scheduler.max_num_seqs,
+        """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
+        return DecodeGraphs(self.model, self.kv_caches, graph_sizes(self.scheduler.max_num_seqs),
                             self.max_model_len, self.kv.block_size, capture)
 
     def _append_token(self, req: Request, token: int) -> None:
@@ -272,6 +273,12 @@ class Engine:
         del self.requests[req.request_id], self.detokenizers[req.request_id]
 
 
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes the engine captures (under tensor parallelism, every rank alike)."""
+    sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
 @dataclass
 class Batch:
     """One step's work: the scheduled requests and how many new tokens each computes; `sampled`
@@ -297,15 +304,13 @@ class Batch:
 
 class DecodeGraphs:
     """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
-    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs"). One for every batch
-    size up to max_num_seqs."""
+    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
 
-    def __init__(self, model: Transformer, kv_caches: list, max_num_seqs: int, max_model_len: int,
+    def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
                  block_size: int, capture: bool):
         self.model = model
         self.kv_caches = kv_caches
-        sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]
-        self.sizes = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+        self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         n = self.sizes[-1]
         device = kv_caches[0][0].device

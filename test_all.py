@@ -3384,3 +3384,183 @@ def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, m
     for _, resp in streams:
         assert [c for _, c in sse(resp)][-1] == "[DONE]"
     assert all_free(server)
+# ------------------------------------------------ issue 28: tensor parallelism
+# Two ranks on this CPU over gloo, each a process; tiny random-weight checkpoints keep them quick.
+
+from nanoflow import dist  # noqa: E402
+
+
+@contextlib.contextmanager
+def tensor_parallel(path, **kwargs):
+    """A TP=2 LLM whose worker is stopped (and checked gone) on leaving."""
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, **kwargs)
+    procs = list(dist.workers)
+    try:
+        yield llm
+    finally:
+        dist.shutdown()
+        assert procs and not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 1)])
+def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
+    """TP=2 against TP=1 on the same checkpoint; qwen2 (biases, tied embeddings) with one KV head:
+    both ranks keep it. Rank 0 holds half of every split weight (the norms are whole)."""
+    write_checkpoint(tmp_path, arch, num_key_value_heads=kv_heads)
+    prompt = random_prompts(1, TINY["vocab_size"], seed=20, lengths=(40, 40))[0]
+    one = LLM(tmp_path, device="cpu", num_kv_blocks=8)
+    assert not torch.distributed.is_initialized() and not dist.workers  # one rank: nothing of it
+    expected = engine_logits(one, prompt)
+    with tensor_parallel(tmp_path, num_kv_blocks=8) as llm:
+        assert llm.engine.kv.kv_cache.shape[-2] == max(1, kv_heads // 2)
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+        whole = ("norm", "k_proj", "v_proj") if kv_heads == 1 else ("norm",)
+        for (name, p), mine in zip(one.engine.model.named_parameters(),
+                                   llm.engine.model.parameters()):
+            assert mine.numel() == p.numel() // (1 if any(w in name for w in whole) else 2), name
+
+
+@pytest.mark.timeout(60)
+def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_and_stops_the_workers(
+        ckpt, monkeypatch):
+    started = []
+    launch = dist.launch
+
+    def recording_launch(*args):
+        shard = launch(*args)
+        started.extend(dist.workers)
+        return shard
+    monkeypatch.setattr(dist, "launch", recording_launch)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLM(ckpt, device="cpu", tensor_parallel_size=3)
+    assert len(started) == 2 and not dist.workers and not dist.leading
+    for p in started:
+        p.join(10)
+    assert [p.exitcode for p in started] == [0, 0]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch,resume", [("llama", "recompute"), ("qwen2", "load")])
+def test_tensor_parallel_greedy_matches_one_rank(tmp_path, arch, resume):
+    """Batching, chunked prefill (24-token budget), forced preemptions resumed by recompute or by
+    loads of what every rank wrote to its own host pool; a second round hits the prefix cache."""
+    write_checkpoint(tmp_path, arch)
+    prompts = shared_prefix_prompts(seed=25)
+    one = LLM(tmp_path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in one.generate(prompts, params)]
+    with tensor_parallel(tmp_path, num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                         policy=Forced(2, resume)) as llm:
+        for _ in range(2):
+            assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        stats = llm.stats()
+    assert stats[f"resumes_{resume}"] >= len(prompts)
+    assert stats["prefix_hit_tokens"] > sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_loads_a_prefix_from_every_ranks_host_tier(ckpt):
+    """Fillers push a turn's cached blocks off the device (each rank copies its KV to its own host
+    pool); the next turn loads them on every rank, and its tokens show they arrived intact."""
+    first, new = shared_prefix_prompts(seed=23)[:2]
+    with tensor_parallel(ckpt, num_kv_blocks=12, host_kv_gb=0.01, policy="fcfs") as llm:
+        reply = llm.generate(first, GREEDY)[0].token_ids
+        for filler in random_prompts(2, TINY["vocab_size"], seed=24, lengths=(150, 150)):
+            llm.generate(filler, GREEDY)
+        second = first + reply + new
+        tokens = llm.generate(second, GREEDY)[0].token_ids
+        hits = llm.stats()["prefix_host_hit_tokens"]
+    off = LLM(ckpt, device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    assert tokens == off.generate(second, GREEDY)[0].token_ids
+    assert hits == (len(first) + len(reply) - 1) // 16 * 16
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_under_torchrun(ckpt, tmp_path):
+    """torchrun starts both ranks (as on several machines); rank 1's LLM() serves rank 0's steps."""
+    prompt = random_prompts(1, TINY["vocab_size"], seed=26, lengths=(30, 30))[0]
+    script = tmp_path / "run.py"
+    script.write_text(f"import sys\nfrom nanoflow import LLM, SamplingParams\n"
+                      f"llm = LLM(sys.argv[1], device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
+                      f"p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+                      f"print('tokens', llm.generate([{prompt}], p)[0].token_ids)\n")
+    repo = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(ckpt)], capture_output=True,
+                         text=True, timeout=100, env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 0, out.stderr
+    one = LLM(ckpt, device="cpu", num_kv_blocks=16)
+    expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.stdout.count("tokens") == 1 and f"tokens {expected[0].token_ids}" in out.stdout
+
+
+def process_state(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a process from /proc; None once it is gone."""
+    with contextlib.suppress(OSError):
+        text = open(f"/proc/{pid}/stat").read()
+        state, ppid = text[text.rindex(")") + 2:].split()[:2]
+        return int(ppid), state
+    return None
+
+
+def live_children(pid: int) -> list[int]:
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if (st := process_state(p)) and st[0] == pid and st[1] != "Z"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["kill a worker", "SIGINT", "SIGTERM"])
+def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
+    """A chat answer streams from two ranks. A dead worker ends the server within 5 s with an error
+    naming it; Ctrl-C or a service manager's SIGTERM (to the whole process group) drains and ends
+    it with 0. Either way no process of it is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port",
+                             "0", "--device", "cpu", "--num-kv-blocks", "64",
+                             "--tensor-parallel-size", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    kids = []
+    try:
+        proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()
+        host, port = line.split("http://")[1].split("/")[0].split(":")
+        kids = live_children(proc.pid)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        chunks = [c for _, c in sse(conn.getresponse())]
+        assert chunks[-1] == "[DONE]" and len(chunks) > 2
+        if end == "kill a worker":
+            [worker] = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+            os.kill(worker, signal.SIGKILL)
+            assert proc.wait(timeout=5) != 0
+            assert f"worker nanoflow-rank1 (pid {worker}) died" in proc.stderr.read()
+        else:
+            os.killpg(proc.pid, getattr(signal, end))
+            assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert kids and all((process_state(k) or "ZZ")[1] == "Z" for k in kids)
+    finally:
+        proc.kill()
+        for k in kids:
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9),
+                                                 ("4x4090-qwen2.5-32b", 4, 24e9)])
+def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
+    from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
+
+    cost = PRESETS[preset]()
+    assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, torch.bfloat16)
+    # a rank holds 1/N of the bf16 weights, and they fit its card beside its KV pool
+    weights = cost.weights_read_s / cost.per_kv_token_s * cost.kv_bytes_per_token
+    assert weights == pytest.approx(32.5e9 * 2 / gpus)
+    assert weights + cost.num_kv_blocks * cost.block_size * cost.kv_bytes_per_token < 0.9 * memory
+    reqs = drive(sim_engine(preset, "tokenflow"), burst(20, rate=8.0))
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from . import dist
 from .engine import LLM, Engine, EngineConfig
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
@@ -905,6 +906,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if dist.torchrun_rank():  # another rank of `torchrun`: LLM() runs rank 0's steps, then exits
+        LLM(args.ckpt, **EngineConfig.flag_values(args))
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
     names = args.served_model_name or [model_id(args.ckpt)]
@@ -926,6 +929,7 @@ def main(argv: list[str] | None = None) -> None:
              args.shutdown_timeout)
     finished, cut = server.shutdown(args.shutdown_timeout)
     log.info("shut down: %d requests finished, %d cut", finished, cut)
+    dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -116,7 +116,36 @@ def cpu_smollm2() -> CostModel:
                "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits"])
 
 
-PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2}
+QWEN25_32B = ModelConfig("qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=32768)
+ALLREDUCE_LATENCY_S = 20e-6  # per all-reduce over PCIe (assumed): two per layer, 128 per step
+
+
+def tp_qwen32b(card: str, gpus: int, memory: float, hbm: float, flops: float, bus: float):
+    """Qwen2.5-32B in bf16 over `gpus` cards (all-reduce at `bus` bytes/s), one rank's costs."""
+    params, layers, link = 32.5e9, QWEN25_32B.num_hidden_layers, 25e9
+    weights = params * 2 / gpus
+    kv_token = kv_bytes_per_token(QWEN25_32B, torch.bfloat16) // gpus
+    # per token: its share of the matmuls, two ring all-reduces per layer of its bf16 hidden state
+    hidden_bytes = QWEN25_32B.hidden_size * 2
+    per_token = 2 * params / gpus / flops + 4 * layers * (gpus - 1) / gpus * hidden_bytes / bus
+    return CostModel(
+        f"{gpus}x{card}-qwen2.5-32b", QWEN25_32B, kv_token,
+        overhead_s=1.5e-3 + 2 * layers * ALLREDUCE_LATENCY_S, weights_read_s=weights / hbm,
+        per_kv_token_s=kv_token / hbm, per_prefill_token_s=per_token, per_decode_seq_s=per_token,
+        link_bytes_per_s=link, num_kv_blocks=int((memory * 0.9 - weights - 2e9) // (16 * kv_token)),
+        num_host_blocks=int(64e9 / gpus // (16 * kv_token)),
+        notes=[f"{memory / 1e9:.0f} GB, {hbm / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s per GPU "
+               "(spec sheets, no efficiency factor); 65 GB of weights, 1/N per rank",
+               f"all-reduce {bus / 1e9:.0f} GB/s, {ALLREDUCE_LATENCY_S * 1e6:.0f} us (assumed), "
+               "not overlapped; KV pool: 0.9 x memory - weights - 2 GB; host link 25 GB/s"])
+
+
+PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2,
+           # A6000 pairs over PCIe Gen4; 4090s: half-rate fp32 accumulation, no peer-to-peer
+           "2xa6000-qwen2.5-32b": lambda: tp_qwen32b("a6000", 2, 48e9, 768e9, 154.8e12, 20e9),
+           "4x4090-qwen2.5-32b": lambda: tp_qwen32b("4090", 4, 24e9, 1008e9, 82.6e12, 10e9)}
 
 
 class _NoText:

@@ -102,12 +102,13 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is."""
+    def apply_chat_template(self, messages: list[dict], **variables) -> list[int]:
+        """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is;
+        `variables` are the template's others, as HuggingFace's (tools=...)."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; "
                              "use generate() with a plain prompt")
-        text = _render_template(self.chat_template, messages, self.bos_token or "")
+        text = _render_template(self.chat_template, messages, self.bos_token or "", **variables)
         return self.tk.encode(text, add_special_tokens=False).ids
 
 
@@ -115,7 +116,7 @@ def _token_text(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
-def _render_template(template: str, messages: list[dict], bos_token: str) -> str:
+def _render_template(template: str, messages: list[dict], bos_token: str, **variables) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -124,7 +125,7 @@ def _render_template(template: str, messages: list[dict], bos_token: str) -> str
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(messages=messages, bos_token=bos_token,
-                                            add_generation_prompt=True)
+                                            add_generation_prompt=True, **variables)
 
 
 class IncrementalDetokenizer:

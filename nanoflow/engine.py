@@ -106,6 +106,11 @@ class Engine:
         self.kv_caches = self.kv.layer_caches() if model else []
         self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings,
                                             self.kv.num_blocks * self.kv.block_size)
+        window = config.sliding_window
+        if window and self.max_model_len > window:
+            raise ValueError(f"this model attends only to its last {window} tokens "
+                             f"(sliding_window), which nanoflow does not implement: serve it with "
+                             f"max_model_len <= {window} (now {self.max_model_len})")
         eager = enforce_eager or self.device.type != "cuda"
         self.graphs = None if eager else self.decode_graphs(capture=True)
         self.requests: dict[str, Request] = {}
@@ -407,11 +412,15 @@ class LLM:
         return self._run(ids, params)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
-        """`generate` for conversations ([{"role", "content"}, ...]) through the chat template."""
+             params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[Output]:
+        """`generate` for conversations ([{"role", "content"}, ...]) through the chat template;
+        chat_template_kwargs are its variables (e.g. Qwen3's `enable_thinking=False`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run([self.tokenizer.apply_chat_template(c) for c in conversations], params)
+        kwargs = chat_template_kwargs or {}
+        return self._run([self.tokenizer.apply_chat_template(c, **kwargs) for c in conversations],
+                         params)
 
     def _run(self, prompt_ids: list[list[int]], params) -> list[Output]:
         if not isinstance(params, list):

@@ -1,4 +1,4 @@
-"""The model: its config, the Llama/Qwen2 forward, and its weights.
+"""The model: its config, the Llama-family forward (Llama, Mistral, Qwen2, Qwen3), its weights.
 
 A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
 file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same
@@ -25,7 +25,26 @@ from torch import Tensor, nn
 from .attention import AttnMetadata, paged_attention, store_kv
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+@dataclass(frozen=True)
+class Family:
+    """What a decoder family changes in the Llama forward: the columns of ARCHITECTURES."""
+
+    qkv_bias: bool = False  # q/k/v always carry a bias (else all four follow attention_bias)
+    qk_norm: bool = False  # a per-head RMSNorm of q and of k before RoPE
+
+
+# Every family may also set rope_scaling (Llama 3's "llama3"), tie its embeddings, and name a
+# sliding_window, which nanoflow serves only when the whole context fits inside it.
+ARCHITECTURES = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),  # Llama's tensors; only the window is new
+    "Qwen2ForCausalLM": Family(qkv_bias=True),
+    "Qwen3ForCausalLM": Family(qk_norm=True),
+}
+# llama.cpp's general.architecture: Mistral is converted as "llama" (with q/k rows permuted)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 KVCache = tuple[Tensor, Tensor]  # one layer's K and V views of the paged pool
 
 # ---------------------------------------------------------------- config
@@ -33,9 +52,9 @@ KVCache = tuple[Tensor, Tensor]  # one layer's K and V views of the paged pool
 
 @dataclass
 class ModelConfig:
-    """The shape of a Llama/Qwen2 decoder, in HuggingFace's field names."""
+    """The shape of a decoder, in HuggingFace's field names."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # a key of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,24 +65,30 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    rope_freq_factors: list[float] | None = None  # a GGUF's rope_freqs: Llama 3's, precomputed
     max_position_embeddings: int = 4096
-    attention_bias: bool = False  # q/k/v (and, for llama, o) projections carry a bias
+    attention_bias: bool = False
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def family(self) -> Family:
+        return ARCHITECTURES[self.architecture]
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; "
-                             f"nanoflow runs {sorted(ARCHITECTURES)}")
+        _check_supported(arch, ARCHITECTURES)
         # transformers 5 / 4
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        # Qwen2/3 name a window and turn it off
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
-            architecture=ARCHITECTURES[arch],
+            architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -75,10 +100,16 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            attention_bias=ARCHITECTURES[arch] == "qwen2" or cfg.get("attention_bias", False),
+            attention_bias=cfg.get("attention_bias", False),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            sliding_window=window,
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         )
+
+
+def _check_supported(arch: str, known: dict) -> None:
+    if arch not in known:
+        raise ValueError(f"unsupported architecture {arch!r}; nanoflow runs {', '.join(known)}")
 
 
 # ---------------------------------------------------------------- the forward
@@ -100,6 +131,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it."""
     d = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if cfg.rope_freq_factors is not None:  # llama.cpp's divisors, the same Llama 3 rescaling
+        return (inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)).float()
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -126,18 +159,21 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias and cfg.architecture == "llama")
+        family, bias = cfg.family, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias or family.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias or family.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias or family.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias)
+        norm = (lambda: RMSNorm(self.head_dim, cfg.rms_norm_eps)) if family.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
                 ) -> Tensor:
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         out = paged_attention(q, kv[0], kv[1], meta, self.scale)
@@ -178,7 +214,7 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama / Qwen2 decoder. Parameter names are HuggingFace's, so checkpoints load by name."""
+    """The decoder of every family; HuggingFace's parameter names, so checkpoints load by name."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -248,7 +284,8 @@ GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
@@ -275,14 +312,14 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
-    if arch not in ARCHITECTURES.values():
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
-                         f"nanoflow runs {sorted(ARCHITECTURES.values())}")
+    _check_supported(arch, GGUF_ARCHITECTURES)
+    weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+               .float().reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    rope_freqs = weights.pop("rope_freqs.weight", None)
     heads = meta[f"{arch}.attention.head_count"]
-    names = [t.name for t in reader.tensors]
     tok = Tokenizer.from_gguf(reader)
     cfg = ModelConfig(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=meta[f"{arch}.embedding_length"],
         intermediate_size=meta[f"{arch}.feed_forward_length"],
@@ -293,18 +330,18 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
                           meta[f"{arch}.embedding_length"] // heads),
         rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        rope_freq_factors=None if rope_freqs is None else rope_freqs.tolist(),
         max_position_embeddings=meta[f"{arch}.context_length"],
-        attention_bias=arch == "qwen2",
-        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_output.bias" in weights,
+        tie_word_embeddings="output.weight" not in weights,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         eos_token_ids=tok.eos_token_ids,
     )
     state = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        w = w.reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute_rope(w, heads if "attn_q" in t.name else cfg.num_key_value_heads)
-        state[_hf_name(t.name)] = w
+    for name, w in weights.items():
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpermute_rope(w, heads if "attn_q" in name else cfg.num_key_value_heads)
+        state[_hf_name(name)] = w
     return cfg, state, tok
 
 

@@ -33,6 +33,7 @@ from .engine import LLM, Engine, EngineConfig
 from .grammar import response_format_schema
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
+from .reasoning import REASONING_PARSERS, split_reasoning
 from .sched import Request, SamplingParams
 from .tools import ToolCallStream, ToolRequest, template_messages
 
@@ -62,9 +63,11 @@ UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "functions": [], "func
 # every other field of a body: unknown, ignored with a warning (as vLLM does)
 KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens",
                 "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
-                *UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+                "chat_template_kwargs", *UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls",
+                "response_format"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
+PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 
 
@@ -97,6 +100,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     completion_tokens: int = 0  # at the end
     error: HTTPError | None = None
+    reasoning: str = ""  # with --reasoning-parser: the thinking (`text` is then the answer)
 
 
 @dataclass
@@ -175,8 +179,7 @@ class EngineLoop(threading.Thread):
             self.snapshot = self.engine.stats()
             for req in stepped:
                 self._publish(self.choices[req.request_id])
-            if self.live.viewers:
-                self.live.observe(stepped)
+            self.live.observe(stepped)
 
     def _take_inbox(self, block: bool) -> bool:
         """Make the inbox's calls (waiting for one when idle); False once asked to stop."""
@@ -195,6 +198,7 @@ class EngineLoop(threading.Thread):
             call()
         if calls:
             self.snapshot = self.engine.stats()
+            self.live.observe([], fresh=True)  # viewers see new requests before a long step
         return True
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -315,9 +319,12 @@ def prompt_of(body: dict, tokenizer, chat: bool, tools: ToolRequest | None = Non
         return prompt_ids(body.get("prompt"), tokenizer)
     if not tokenizer.chat_template:
         raise HTTPError(400, "this model has no chat template; use /v1/completions with a prompt")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise HTTPError(400, "`chat_template_kwargs` must be an object")
     try:
         messages = template_messages(chat_messages(body), body["messages"], tokenizer.chat_template)
-        return tokenizer.apply_chat_template(messages, tools=tools and tools.tools)
+        return tokenizer.apply_chat_template(messages, **{**kwargs, "tools": tools and tools.tools})
     except (ValueError, TemplateError) as e:
         raise HTTPError(400, f"cannot apply the chat template: {e}") from None
 
@@ -391,6 +398,7 @@ class Reply:
     num_prompt: int
     logprobs: bool  # asked for: each choice has a (maybe empty) list
     include_usage: bool = False
+    reasoning: bool = False  # a reasoning parser splits the text: reasoning_content apart
     tools: ToolRequest | None = None
     tool_streams: dict = field(default_factory=dict)  # per choice: its ToolCallStream
     created: int = field(default_factory=lambda: int(time.time()))
@@ -417,6 +425,8 @@ class Reply:
         text = {"content": delta.text} if delta.text else {}
         if self.tools and delta.text:
             text = self.tool_stream(delta.index).feed(delta.text)
+        if delta.reasoning:
+            text["reasoning_content"] = delta.reasoning
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
@@ -453,8 +463,11 @@ class Reply:
             tokens = [t for e in mine for t in e.logprobs] if self.logprobs else None
             message = {"role": "assistant", "content": text}
             reason = mine[-1].finish_reason
+            if self.reasoning:  # as vLLM: null where there is none
+                reasoning = "".join(e.reasoning for e in mine)
+                message.update(content=text or None, reasoning_content=reasoning or None)
             if self.tools:
-                message = {"role": "assistant", **self.tool_stream(i).message(text)}
+                message.update(self.tool_stream(i).message(text))
                 reason = self.tool_stream(i).finish_reason(reason)
             content = {"message": message} if self.chat else {"text": text}
             out.append(self._choice(i, reason, tokens, **content))
@@ -588,7 +601,7 @@ class Handler(BaseHTTPRequestHandler):
             # on the engine thread, which this wakes: an idle one then publishes snapshots too
             self.server.loop.inbox.put(self.server.live.restart)
             with suppress(OSError):  # the viewer left
-                while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
+                while snapshot := self.server.live.next(version):
                     version = snapshot["version"]
                     self._sse(snapshot)
 
@@ -640,16 +653,21 @@ class Handler(BaseHTTPRequestHandler):
         params = sampling_params(body, ids, server.engine, {**server.defaults,
                                                             "json_schema": schema}, chat)
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
+        reasoning = server.reasoning_parser if chat else None
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                       server.engine.tokenizer, len(ids), params[0].logprobs is not None,
-                      include_usage, tools)
+                      include_usage, bool(reasoning), tools)
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
-            deltas = server.loop.submit(request_ids, ids, params, self.request_id)
+            queued = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
                 answer = self._stream if stream else self._answer
-                answer(reply, self._deltas(deltas, n, keepalive=stream), n)
+                deltas = self._deltas(queued, n, keepalive=stream)
+                if reasoning:  # the prompt's end may open the thinking
+                    tail = server.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
+                    deltas = split_reasoning(deltas, reasoning, tail)
+                answer(reply, deltas, n)
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
@@ -671,7 +689,7 @@ class Handler(BaseHTTPRequestHandler):
             if delta.error:
                 self._sse(delta.error.body())
                 break
-            if delta.text or delta.logprobs:
+            if delta.text or delta.reasoning or delta.logprobs:
                 self._sse(reply.chunk(replace(delta, finish_reason=None)))
             # the finish in a chunk of its own, as OpenAI sends it
             if delta.finish_reason:
@@ -799,8 +817,12 @@ class Server(ThreadingHTTPServer):
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *,
                  model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
-                 generation_config: dict | None = None):
+                 generation_config: dict | None = None, reasoning_parser: str | None = None):
+        if reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
+                             f"{', '.join(REASONING_PARSERS)}")
         super().__init__((host, port), Handler)
+        self.reasoning_parser = reasoning_parser
         self.model_names = [model] if isinstance(model, str) else list(model)
         self.api_key = api_key
         self.max_waiting = max_waiting
@@ -899,6 +921,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     EngineConfig.add_flags(p)
     arg("--override-generation-config", type=json_object, default={}, metavar="JSON",
         help="""sampling defaults over generation_config.json's, e.g. '{"temperature": 0.7}'""")
+    arg("--reasoning-parser", choices=list(REASONING_PARSERS), help="return a thinking model's "
+        "<think>...</think> apart, as reasoning_content (default: off, all in content)")
     arg("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
         "may call the API (CORS), e.g. http://localhost:3000, or *")
@@ -917,7 +941,8 @@ def main(argv: list[str] | None = None) -> None:
     names = args.served_model_name or [model_id(args.ckpt)]
     server = make_server(None, args.host, args.port, model=names, api_key=args.api_key,
                          max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
-                         generation_config=args.override_generation_config).start()
+                         generation_config=args.override_generation_config,
+                         reasoning_parser=args.reasoning_parser).start()
     print(f"nanoflow: loading {names[0]} at {server.url}/v1", flush=True)
     llm = LLM(args.ckpt, **EngineConfig.flag_values(args))
     if args.chat_template:

@@ -73,12 +73,12 @@ class CostModel:
         return "\n".join([line] + [f"  - {n}" for n in self.notes])
 
 
-LLAMA3_8B = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                        head_dim=128, max_position_embeddings=8192)
-SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                           head_dim=64, max_position_embeddings=8192)
+LLAMA3_8B = ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
+SMOLLM2_135M = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                           intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -592,7 +592,7 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 64}
 
 
-def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 12) -> None:
+def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> None:
     """Constrained decoding's cost: a decode step at `batch` with every row constrained vs none
     (alternating, same prompts), the bitmask work alone, the unconstrained rows' check, compiles."""
     from nanoflow import grammar

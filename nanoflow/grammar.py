@@ -14,6 +14,7 @@ Why llguidance and what it costs: docs/structured-outputs.md.
 import functools
 import json
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,8 +97,10 @@ def apply_bitmasks(logits: Tensor, reqs: list) -> Tensor:
     bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)  # filled on the CPU
     fill_next_token_bitmask_par(_executor(), [(reqs[i].matcher, j) for j, i in enumerate(rows)],
                                 bitmask)
-    bitmask = bitmask.to(logits.device)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    # bit j of word w allows token 32 w + j: the words' bytes in order (little-endian), low bit first
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    allowed = torch.from_numpy(allowed).to(logits.device, torch.bool)
+    if len(rows) == len(reqs):  # all constrained: no gather and scatter
+        return torch.where(allowed, logits, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
-    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+    return logits.index_put((index,), torch.where(allowed, logits[index], float("-inf")))

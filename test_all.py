@@ -3737,6 +3737,7 @@ def schema_prompt(schema: dict) -> list[dict]:
     return [{"role": "user", "content": f"Reply in JSON with {', '.join(schema.get('properties', ['numbers']))}."}]
 
 
+@pytest.mark.timeout(600)  # ~45 steps at batch 7 of the demo model: 60 s alone, 250 s on a busy 2-core machine
 def test_json_schemas_validate_on_the_demo_model(demo):
     """Greedy and sampled, each with its own matcher in one batch; the unconstrained row is left alone."""
     params = [SamplingParams(temperature=t, seed=i, max_tokens=100, json_schema=s)

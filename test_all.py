@@ -3697,6 +3697,7 @@ def test_bad_structured_requests_get_400_and_reach_no_engine(server, monkeypatch
     monkeypatch.setattr(server.engine.tokenizer, "chat_template", TOOL_TEMPLATE)
     cases = [  # (body, words the message must hold)
         ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
         ({"response_format": schema({"type": "integer", "minimum": "x"})}, "response_format.json_schema.schema"),
         ({"response_format": schema({"type": "string", "pattern": "(("})}, "regex"),
         ({"response_format": schema({"anyOf": []})}, "Unsatisfiable"),

@@ -25,13 +25,13 @@ ANY_OBJECT = {"type": "object"}  # response_format json_object
 
 def response_format_schema(response_format) -> dict | None:
     """The JSON schema that OpenAI's `response_format` asks for (None: free text)."""
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if response_format is None or kind == "text":
+    given = response_format if isinstance(response_format, dict) else {}
+    if response_format is None or given.get("type") == "text":
         return None
-    if kind == "json_object":
+    if given.get("type") == "json_object":
         return ANY_OBJECT
-    spec = response_format.get("json_schema")
-    if kind != "json_schema" or not isinstance(spec, dict):
+    spec = given.get("json_schema") if given.get("type") == "json_schema" else None
+    if not isinstance(spec, dict):
         raise ValueError('`response_format` must be {"type": "text"}, {"type": "json_object"} or '
                          '{"type": "json_schema", "json_schema": {"name", "schema"}}')
     schema = spec.get("schema", ANY_OBJECT)

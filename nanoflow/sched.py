@@ -46,6 +46,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     read_rate: float | None = None  # tokens/s its reader reads; None = the engine's default
+    json_schema: dict | None = None  # the output must be JSON valid against it (grammar.py)
 
     def __post_init__(self):
         def check(name: str, ok: bool, rule: str):
@@ -88,6 +89,8 @@ class SamplingParams:
         check("seed", seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
               "a 64-bit integer or None")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
+        check("json_schema", self.json_schema is None or isinstance(self.json_schema, dict),
+              "a JSON schema (a dict) or None")
         rate = self.read_rate
         check("read_rate", rate is None or (is_num(rate) and rate > 0),
               "a number > 0 (tokens/s) or None")
@@ -135,6 +138,7 @@ class Request:
     read_rate: float = 8.0  # tokens/s, resolved by the engine (params.read_rate, clamped)
     token_times: list[float] = field(default_factory=list)  # when each output token was generated
     logprobs: list = field(default_factory=list)  # per output token: Engine._record_logprobs
+    matcher: object = None  # its grammar's state, advanced by each output token (grammar.py)
     # when its reader runs out of tokens (docs/scheduling.md); earlier than now if it stalls already
     dry_at: float = field(init=False)
 

@@ -2047,7 +2047,8 @@ def test_summarize_every_key_by_hand():
         "rebuffer_mean": pytest.approx((0.25 + 1.0 + 0) / 2), "rebuffer_p99": pytest.approx(0.99 * 1.25),
         "qoe_mean": pytest.approx((1 - 0.95 / (1.0 + 1.5 + 1.75 + 3.0) + 1.0) / 2), "qoe_good_share": 0.5,
         "effective_throughput": pytest.approx((4 + 1 + 1 + 0.75) / 4.0), "throughput": pytest.approx(12 / 4.0),
-        "makespan": 4.0, "requests": 3, "completed": 2}
+        "makespan": 4.0, "requests": 3, "completed": 2,
+        "ttft_slo_share": pytest.approx(2 / 3)}  # a's 1.0 s and b's 0.5 s are within 2 s; the third has none
 
 
 def test_scheduler_reader_agrees_with_the_metrics():
@@ -2207,7 +2208,7 @@ def test_switch_time_by_hand():
         assert swapper.host.grow(req.host_block_table, 64)
         s.rates.prefill_rate = 100.0  # recompute: 100 tokens / 100 = 1.0 s
         s.rates.observe(0.02, 0, 1)  # a decode step takes 0.02 s
-        swapper.link_free_at = 0.5  # copies queued for 0.5 s ahead of this one
+        swapper.free_at["back"] = 0.5  # loads queued for 0.5 s ahead of this one
         # (3 blocks out + 7 back) x 16 tokens x 1000 bytes / 1e6 B/s = 0.16 s; + interval 1.5 + one step 0.02
         assert s.policy.switch_time(s, req) == pytest.approx(expected)
 
@@ -3352,15 +3353,16 @@ def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_it
 
 
 def test_simulated_link_carries_both_directions_at_once():
-    """In the simulator, a load queued behind a long eviction is done after its own bytes only."""
+    """In the simulator, a load issued during a long eviction is done after its own bytes, unless it
+    reads host blocks that eviction fills: then it starts once they are filled."""
     engine = sim_engine("cpu-smollm2", "tokenflow")
-    swapper, clock = engine.scheduler.swapper, engine.clock
+    swapper, now = engine.scheduler.swapper, engine.clock()
     block_s = swapper.transfer_time(1)
-    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out
-    event = swapper._to_device([0, 1], [0, 1])  # 2 blocks back
-    assert event.at == pytest.approx(clock() + 2 * block_s)
+    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out, into host blocks 0-99
+    assert swapper._to_device([200, 201], [0, 1]).at == pytest.approx(now + 2 * block_s)
     assert swapper.backlog() == pytest.approx(100 * block_s)
     assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
+    assert swapper._to_device([99], [2]).at == pytest.approx(now + 101 * block_s)
 
 
 def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, monkeypatch):

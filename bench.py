@@ -527,8 +527,8 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
 # the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
 BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
        ("effective_throughput", -1, 0.95, 0.0)]
-MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | QoE >= 0.95 "
-               "share | TTFT <= SLO share | verdict |\n|---|---|---|---|---|---|---|---|")
+MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | "
+               "QoE >= 0.95 share | TTFT <= SLO share | verdict |\n" + "|---" * 8 + "|")
 
 
 def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]:
@@ -590,6 +590,8 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
 
 # a schema that keeps a batch constrained through the timed steps: 64 strings at least
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 64}
+CALL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
 
 
 def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> None:
@@ -619,8 +621,7 @@ def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> N
     print(f"decode step at batch {batch}, median of {2 * steps}: unconstrained {off * 1e3:.1f} ms, "
           f"every row constrained {on * 1e3:.1f} ms (+{(on - off) * 1e3:.1f} ms); bitmasks filled "
           f"and applied alone: {masks * 1e3:.2f} ms; an unconstrained step's check: {check:.1f} us")
-    for name, schema in [("long array", LONG_SCHEMA), ("tool call", {"type": "object", "properties": {
-            "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]})]:
+    for name, schema in [("long array", LONG_SCHEMA), ("tool call", CALL_SCHEMA)]:
         grammar._grammar.cache_clear()
         cold = seconds(lambda: engine.grammars.matcher(schema))
         print(f"schema {name}: compile + matcher {cold * 1e3:.2f} ms cold, "
@@ -926,7 +927,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
         "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
     add("--ttft-slo", type=float, metavar="S", help="the TTFT SLO whose attainment is reported "
-        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} s on a CPU)")
+        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} on a CPU)")
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")

@@ -97,7 +97,7 @@ def apply_bitmasks(logits: Tensor, reqs: list) -> Tensor:
     bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)  # filled on the CPU
     fill_next_token_bitmask_par(_executor(), [(reqs[i].matcher, j) for j, i in enumerate(rows)],
                                 bitmask)
-    # bit j of word w allows token 32 w + j: the words' bytes in order (little-endian), low bit first
+    # bit j of word w allows token 32 w + j: the words' bytes in order (little-endian), low bit 1st
     allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     allowed = torch.from_numpy(allowed).to(logits.device, torch.bool)
     if len(rows) == len(reqs):  # all constrained: no gather and scatter

@@ -172,7 +172,8 @@ class EngineLoop(threading.Thread):
         requests like this one: by then as many have left the queue."""
         s = self.engine.scheduler
         batch = max(1, len(s.running))
-        return max(RETRY_AFTER_S, math.ceil(excess * max_tokens * s.rates.decode_time(batch) / batch))
+        seconds = excess * max_tokens * s.rates.decode_time(batch) / batch
+        return max(RETRY_AFTER_S, math.ceil(seconds))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
@@ -945,8 +946,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
         "may call the API (CORS), e.g. http://localhost:3000, or *")
     arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
-        f"token, beyond those the engine starts within {START_BOUND_S:g} s, past which new ones get "
-        "503 with a Retry-After from the measured rates (default: %(default)s)")
+        f"token (beyond those it starts within {START_BOUND_S:g} s) past which new ones get 503 "
+        "with a Retry-After from the measured rates (default: %(default)s)")
     arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
         "in-flight requests may take to finish (default: %(default)s)")
     arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -711,7 +711,7 @@ def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
 def fake_request(block_table: list[int], num_computed_tokens: int) -> SimpleNamespace:
     """What the Swapper reads of a request."""
     return SimpleNamespace(block_table=block_table, host_block_table=[], num_host_tokens=0,
-                           num_computed_tokens=num_computed_tokens)
+                           num_computed_tokens=num_computed_tokens, block_hashes=[])
 
 
 def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:

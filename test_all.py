@@ -3139,3 +3139,44 @@ def test_a_freed_table_leaves_the_device_cache_tail_first():
     taken: list[int] = []
     assert pool.grow(taken, 4) and pool.cached.keys() == {1, 2}
     assert pool.grow(taken, 8) and pool.cached.keys() == {1}
+
+
+def test_a_request_started_with_less_room_than_its_prompt_computes_what_fits():
+    """A 100-token prompt started on a 4-block pool (64 slots): its first chunk is the 64 tokens that
+    fit, in all 4 blocks, not a chunk of 100 without blocks."""
+    engine = sim_engine(toy_cost(num_kv_blocks=4), "fcfs")
+    s = engine.scheduler
+    req = engine.add_request([1] * 100, SamplingParams(max_tokens=10, ignore_eos=True))
+    scheduled: dict = {}
+    assert s.start(req, scheduled, 10**6, engine.clock()) == 10**6 - 64
+    assert scheduled == {req: 64} and len(req.block_table) == 4 and s.kv.num_free == 0
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop(ckpt):
+    """As vLLM: min_tokens holds off stop strings as it holds off EOS. A stop string found only in the
+    first 8 tokens' text stops a request, but not one with min_tokens 16: it runs to its length."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
+    prompt = clean_text_prompt(llm)
+    greedy = llm.generate([prompt], GREEDY)[0]
+    early, text = llm.tokenizer.decode(greedy.token_ids[:8]), greedy.text
+    stop = next(text[k:k + 2] for k in range(len(early) - 1) if text[k:k + 2].strip() and text.count(text[k:k + 2]) == 1)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop])
+    assert llm.generate([prompt], params)[0].finish_reason == "stop"
+    late = llm.generate([prompt], SamplingParams(**{**vars(params), "min_tokens": 16}))[0]
+    assert (late.finish_reason, late.text) == ("length", text)
+
+
+def test_live_states_by_hand():
+    """What the page calls a request: waiting, prefilling (prompt tokens left), running (decoding),
+    paused on host or retracted (its KV dropped), finished."""
+    req = Request([1] * 40, SamplingParams(max_tokens=8))
+    assert live.request_state(req) == "waiting"
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 16
+    assert live.request_state(req) == "prefilling"
+    req.num_computed_tokens = 40
+    req.append(7, 1.0)  # the prompt is done: one new token to compute, a decode
+    assert live.request_state(req) == "running"
+    req.status, req.num_host_tokens = RequestStatus.PREEMPTED, 0
+    assert live.request_state(req) == live.PAUSED[1]
+    req.status = RequestStatus.FINISHED
+    assert live.request_state(req) == "finished"

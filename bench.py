@@ -39,7 +39,7 @@ from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
 from nanoflow.kv import KVPool, build_metadata, cdiv
-from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, summarize
+from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig
 from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, calibrate, kv_bytes_per_token
@@ -54,6 +54,7 @@ PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60%
 # auto rates: the readers' peak total demand takes DEMAND_SHARE of the measured capacity, and the
 # fastest reader reads at most SPEED_SHARE as fast as a running request decodes
 DEMAND_SHARE = 0.7
+CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its outputs are short
 SPEED_SHARE = 0.5
 DEFAULT_KV_FRAC = 0.3  # device KV pool: this share of what the whole burst needs at full length
 BLOCK_SIZE = 16
@@ -61,8 +62,8 @@ PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode 
 PROMPT_VOCAB = 256  # prompt ids are drawn below this: valid for every model; content is irrelevant
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
-ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "num_kv_blocks", "max_num_batched_tokens",
-                "enable_prefix_caching", "tokenflow"]
+ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
+                "max_num_batched_tokens", "enable_prefix_caching", "tokenflow"]
 COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device",
             "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
 
@@ -262,11 +263,13 @@ class Run:
     counters: dict = field(default_factory=dict)
     wall: float = 0.0
     requests: list = field(default_factory=list)  # the engine's, in the workload's order
+    ttft_slo: float = TTFT_SLO
 
     @functools.cached_property
     def summary(self) -> dict:
         end = max((r.token_times[-1] for r in self.records if r.token_times), default=self.start)
-        return {**summarize(self.records, end - self.start), **self.counters, "wall_s": self.wall}
+        return {**summarize(self.records, end - self.start, self.ttft_slo), **self.counters,
+                "wall_s": self.wall}
 
 
 class Progress:
@@ -438,6 +441,7 @@ ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "
         ("rebuffer mean (s)", "rebuffer_mean", "{:.2f}"),
         ("rebuffer p99 (s)", "rebuffer_p99", "{:.2f}"), ("QoE mean", "qoe_mean", "{:.3f}"),
         ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
+        ("TTFT <= SLO share", "ttft_slo_share", "{:.0%}"),
         ("effective throughput (tok/s)", "effective_throughput", "{:.1f}"),
         ("throughput (tok/s)", "throughput", "{:.1f}"), ("makespan (s)", "makespan", "{:.1f}"),
         ("preemptions (resumed by load/recompute)", "preemptions",
@@ -511,6 +515,10 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
      "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5"),
     ("slow readers (5 tok/s)", "--burst 400 --read-rate 5"),
     ("fast readers (40 tok/s)", "--burst 400 --read-rate 40"),
+    ("faster readers (60 tok/s)", "--burst 400 --read-rate 60"),
+    ("burst 400, readers 1.25x the mix", "--burst 400 --read-rate 18.75:0.4,25:0.6",
+     {"ttft_p99": 0.3}),
+    ("poisson 30/s (1.5x overload)", "--poisson 30 --duration 60"),
     ("reader mix 15:0.4,20:0.6", f"--burst 400 {MIX}"),
     ("azure code trace", f"--trace {TRACE} {MIX}"),
     ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 {MIX}"),
@@ -518,8 +526,8 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
 # the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
 BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
        ("effective_throughput", -1, 0.95, 0.0)]
-MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | verdict "
-               "|\n|---|---|---|---|---|---|")
+MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | QoE >= 0.95 "
+               "share | TTFT <= SLO share | verdict |\n|---|---|---|---|---|---|---|---|")
 
 
 def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]:
@@ -545,9 +553,11 @@ def run_matrix(rows: list[tuple[str, str, dict]], base: str = MATRIX_BASE):
 def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
     """One markdown row: fcfs -> tokenflow for the bar's metrics, and the verdict."""
     ratio = lambda key: f"{t[key] / f[key]:.2f}x" if f[key] else "-"  # noqa: E731
+    verdict = "pass" if not misses else "FAIL: " + "; ".join(misses)
     return (f"| {name} | {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} | {f['rebuffer_mean']:.2f} -> "
             f"{t['rebuffer_mean']:.2f} | {ratio('effective_throughput')} | {ratio('throughput')} | "
-            f"{'pass' if not misses else 'FAIL: ' + '; '.join(misses)} |")
+            f"{f['qoe_good_share']:.0%} -> {t['qoe_good_share']:.0%} | "
+            f"{f['ttft_slo_share']:.0%} -> {t['ttft_slo_share']:.0%} | {verdict} |")
 
 
 def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
@@ -875,6 +885,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD] (default: 128:32)")
     add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
         "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
+    add("--ttft-slo", type=float, metavar="S", help="the TTFT SLO whose attainment is reported "
+        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} s on a CPU)")
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
@@ -928,11 +940,21 @@ def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
     """The workload of args, through a server or under each policy in this process."""
     args.prompt_len = args.prompt_len or "64:16"
     w = build_workload(args)
-    if not args.http:
-        return run_policies(args, w)
-    w = w.clamped(args.context)
-    info = {"engine": f"server at {args.http}", "rates": args.read_rate}
-    return [drive_http(args.http, w)], w, info
+    if args.http:
+        w = w.clamped(args.context)
+        runs, info = [drive_http(args.http, w)], {"engine": f"server at {args.http}"}
+    else:
+        runs, w, info = run_policies(args, w)
+    info.update(rates=info.get("rates", args.read_rate), ttft_slo=ttft_slo(args))
+    for run in runs:
+        run.ttft_slo = info["ttft_slo"]
+    return runs, w, info
+
+
+def ttft_slo(args: argparse.Namespace) -> float:
+    """--ttft-slo, else 2 s on a GPU (or its simulation) and CPU_SLO_SCALE times that on a CPU."""
+    on_cpu = args.preset.startswith("cpu") if args.simulate else not torch.cuda.is_available()
+    return args.ttft_slo or TTFT_SLO * (CPU_SLO_SCALE if on_cpu else 1)
 
 
 def serving_bench(args: argparse.Namespace) -> None:
@@ -945,7 +967,7 @@ def serving_bench(args: argparse.Namespace) -> None:
     if "kv_blocks" in info:
         print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
               f"{info['probe_batch']} of the {len(w)} requests at full length")
-    print(f"readers: {info['rates']}")
+    print(f"readers: {info['rates']}; TTFT SLO {info['ttft_slo']} s")
     if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
         ids = [b[:cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
         capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // w.block_tokens

@@ -1138,7 +1138,7 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
                                 num_computed_tokens=20)
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)
-    assert swapper.evict(req) and swapper.last_use != [None, None]
+    assert swapper.evict(req) and swapper.out.last_use != [None, None]
     pools = [weakref.ref(device.kv_cache), weakref.ref(host.kv_cache)]
     gc.disable()
     try:
@@ -1184,8 +1184,9 @@ def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
     path, _ = tiny
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(2, "load"))
     swapper = llm.engine.scheduler.swapper
-    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for _, h in swapper.staging)
-    assert swapper.stream != torch.cuda.current_stream()
+    lanes = (swapper.out, swapper.back)
+    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for x in lanes for _, h in x.staging)
+    assert len({swapper.out.stream, swapper.back.stream, torch.cuda.current_stream()}) == 3
     prompts = random_prompts(4, TINY["vocab_size"], seed=13, lengths=(20, 60))
     expected = [o.token_ids for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)]
     tokens, _ = run_checked(llm, prompts, GREEDY)
@@ -1486,6 +1487,7 @@ def test_metrics_count_prefix_hits(server):
 
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
     monkeypatch.setattr(server.loop, "max_waiting", 2)
+    monkeypatch.setattr("nanoflow.serve.START_BOUND_S", 0.0)  # every queued request counts
     streams = [open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)]
     status, resp, err = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})
     assert status == 503 and resp.getheader("Retry-After") == "1" and err["error"]["code"] == "overloaded"
@@ -2158,9 +2160,11 @@ def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
 
 
 def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches():
-    """Readers ask for 80 tok/s of a capacity of 95 (80% of 118.75): newcomers join while they fit in
-    95, but when every newcomer fits in the whole 118.75, all of them join (the last few of a burst
-    would otherwise wait for someone to finish: burst 400's 55 s TTFT p99 in some runs)."""
+    """Readers ask for 80 tok/s of a capacity of 95 (80% of 118.75). When all readers together ask for
+    at most the whole 118.75 plus the 5% overdraft (124.6875), every newcomer joins (the last few of
+    a burst would otherwise wait for someone to finish: burst 400's 55 s TTFT p99 in some runs).
+    Past that edge the limit falls by twice the excess, continuously, down to 95: at 130 tok/s in
+    all it is 124.6875 - 2 x 5.3125 = 114.0625 (three newcomers: 110), at 140 it is 95 (one: 90)."""
     engine = sim_engine("cpu-smollm2", "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     params = SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0)
@@ -2168,7 +2172,7 @@ def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches():
     for req in started:
         for _ in range(100):  # 10 s of reading buffered: nobody runs dry
             req.append(0, 0.0)
-    for num_newcomers, joining in [(2, 2), (4, 1)]:  # 100 or 120 tok/s in all
+    for num_newcomers, joining in [(2, 2), (4, 4), (5, 3), (6, 1)]:  # 100, 120, 130, 140 tok/s
         newcomers = [engine.add_request([1] * 20, params) for _ in range(num_newcomers)]
         urgency = {r: policy.urgency(s, r, 0.0) for r in s.waiting}
         assert {u[0] for u in urgency.values()} == {1, 2}
@@ -2639,7 +2643,8 @@ def test_live_view_costs_nothing_unwatched_and_streams_snapshots_watched(server,
         if len(frames) >= 8 and any(r["id"] == request_id for r in snapshot["rows"]):
             break
     elapsed = time.monotonic() - start
-    assert len(builds) <= elapsed / live.SNAPSHOT_INTERVAL_S + 2  # a few a second, not one per step
+    # a few a second, not one per step; one more each time the engine thread took the inbox
+    assert len(builds) <= elapsed / live.SNAPSHOT_INTERVAL_S + 4
     row = next(r for r in frames[-1]["rows"] if r["id"] == request_id)
     assert row["read_rate"] == 5 and row["max_tokens"] == 40
     assert row["state"] in ("running", "prefilling", "waiting", "finished")
@@ -2675,7 +2680,8 @@ def test_live_page_needs_no_key_but_its_events_do(server, monkeypatch):
 
 
 class Browser:
-    """Headless Chromium over its DevTools pipe: commands go in on its fd 3, replies out on fd 4."""
+    """Headless Chromium over its DevTools pipe: commands go in on its fd 3, replies out on fd 4.
+    Every event it sends (console, log, network) is kept in `events`."""
 
     def __init__(self, executable: str, url: str, profile: str, timeout: float = 30.0):
         cmd_r, self.cmd = os.pipe()
@@ -2693,10 +2699,14 @@ class Browser:
                                      stderr=subprocess.DEVNULL)
         os.close(cmd_r)
         os.close(reply_w)
-        self.timeout, self.pending, self.next_id = timeout, b"", 0
+        self.timeout, self.pending, self.next_id, self.events = timeout, b"", 0, []
         page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
         attached = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)
         self.session = attached["sessionId"]
+        # hear the page's console, log and network from its first request on: listen, then reload
+        for domain in ("Runtime", "Log", "Network", "Page"):
+            self.call(f"{domain}.enable", self.session)
+        self.call("Page.reload", self.session)
 
     def call(self, method: str, session: str | None = None, **params) -> dict:
         self.next_id += 1
@@ -2712,6 +2722,8 @@ class Browser:
                 if reply.get("id") == self.next_id:
                     assert "error" not in reply, reply
                     return reply["result"]
+                if "method" in reply:
+                    self.events.append(reply)
             left = max(0.0, deadline - time.monotonic())
             assert select.select([self.replies], [], [], left)[0], f"no reply to {method}"
             chunk = os.read(self.replies, 1 << 20)
@@ -2724,8 +2736,20 @@ class Browser:
         assert "exceptionDetails" not in result, result
         return result["result"].get("value")
 
+    def resize(self, width: int, height: int, mobile: bool = False) -> None:
+        """A window of this size; `mobile`: a phone's, which honours the page's viewport meta."""
+        self.call("Emulation.setDeviceMetricsOverride", self.session, width=width, height=height,
+                  deviceScaleFactor=1, mobile=mobile)
+
+    def press_enter(self) -> None:
+        """A real Enter key in the focused element (a form submits on it; setting .value does not)."""
+        key = {"key": "Enter", "code": "Enter", "windowsVirtualKeyCode": 13}
+        self.call("Input.dispatchKeyEvent", self.session, type="keyDown", text="\r", **key)
+        self.call("Input.dispatchKeyEvent", self.session, type="keyUp", **key)
+
     def screenshot(self) -> bytes:
-        return base64.b64decode(self.call("Page.captureScreenshot", self.session)["data"])
+        shot = self.call("Page.captureScreenshot", self.session, captureBeyondViewport=True)
+        return base64.b64decode(shot["data"])
 
     def close(self) -> None:
         self.proc.kill()
@@ -2745,43 +2769,178 @@ def chromium() -> str:
 
 ROWS_JS = ("JSON.stringify([...document.querySelectorAll('#rows tr')]"
            ".map(t => [t.dataset.id, t.dataset.buffer]))")
-KEY_ASKED_JS = "typeof $ === 'function' && getComputedStyle($('keyform')).display === 'block'"
+KEY_ASKED_JS = "typeof $ === 'function' && !$('keyform').hidden"
+# the answer box shows its newest text: scrolled to its bottom
+AT_BOTTOM_JS = "(b => b.scrollTop + b.clientHeight >= b.scrollHeight - 2)($('answer'))"
+# (the box, its left, right, top, bottom) of each panel shown, the window's width, the page's width
+PANELS_JS = ("JSON.stringify([[...document.querySelectorAll('section:not([hidden]), .scroll')]"
+             ".map(s => [s.querySelector('h2') ? s.querySelector('h2').textContent : s.className,"
+             " ...['left', 'right', 'top', 'bottom'].map(k => s.getBoundingClientRect()[k])]),"
+             " innerWidth, document.documentElement.scrollWidth])")
+# the chart drawn at its size on screen (its text never stretched): canvas pixels = CSS pixels
+CHART_SHARP_JS = ("(c => c.width === Math.round(c.clientWidth * devicePixelRatio) &&"
+                  " c.height === Math.round(c.clientHeight * devicePixelRatio))($('chart'))")
 
 
-def test_live_page_in_headless_chromium(tmp_path, ckpt):
-    """A server behind --api-key: the page asks for the key, shows rows for three streams whose
-    buffers move and then end (their readers done), and says so when the server goes away. The tiny
-    model decodes far faster than its readers read even on a loaded machine (the demo model did not
-    always), so every buffer rises, then falls as its reader reads."""
+def test_live_page_in_headless_chromium(tmp_path, ckpt, monkeypatch):
+    """A server behind --api-key, with the tiny model: it decodes far faster than its readers read
+    even on a loaded machine (the demo model did not always), so every buffer rises, then falls as
+    its reader reads; every wait below ends on something the page or the server does. The page asks
+    for the key (Enter submits it; a wrong one is refused aloud), shows rows whose buffers move and
+    end, shows new requests before the engine's step is over and says when a step runs long, follows
+    the chat's newest text unless the reader scrolled up, stops the chat on Stop, fits every width,
+    greys out a stopped server's numbers and starts clean with the next server, which it reports as
+    loading; no console error and no 404 on the way."""
     executable = chromium()
-    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, api_key="sekrit").start()
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
+    srv = make_server(llm, "127.0.0.1", 0, api_key="sekrit",
+                      generation_config={"ignore_eos": True}).start()  # every chat: 256 tokens
+    holding, permits, step = threading.Event(), threading.Semaphore(0), llm.engine.step
+
+    def held_step():  # while holding, a step with requests takes a permit (an idle one never waits)
+        if holding.is_set() and llm.engine.has_unfinished():
+            permits.acquire()
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", held_step)
     browser = Browser(executable, srv.url + "/", str(tmp_path / "profile"))
+    srv2 = None
     try:
-        wait_for(lambda: browser.evaluate(KEY_ASKED_JS), 20)
-        browser.evaluate("$('key').value = 'sekrit'; $('keybtn').click()")
-        wait_for(lambda: browser.evaluate("$('status').textContent") == "live", 20)
-        ids, seen, shot, full = [], {}, None, False
-        for rate in (2, 2.5, 3):
-            threading.Thread(target=stream_with_key, args=(srv, rate, ids), daemon=True).start()
-        start = time.monotonic()
-        while len(ids) < 3 or any(i not in seen for i in ids) or any(i in current for i in ids):
-            assert time.monotonic() - start < 120, (ids, seen)
-            current = dict(json.loads(browser.evaluate(ROWS_JS)))
-            for request_id, buffer in current.items():
-                seen.setdefault(request_id, []).append(int(buffer))
-            if len(current) == 3 and (shot is None or not full):  # retaken once all have a buffer
-                full = all(int(b) > 0 for b in current.values())
-                shot = browser.screenshot()
-            time.sleep(0.1)
-        assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell
-        assert browser.evaluate("$('policy').textContent") == "tokenflow"
-        (tmp_path / "live.png").write_bytes(shot)
-        assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
+        wait_for(lambda: browser.evaluate(KEY_ASKED_JS), 30)
+        for typed in ("wrong", "sekrit"):
+            browser.evaluate(f"$('key').value = '{typed}'; $('key').focus()")
+            browser.press_enter()
+            if typed == "wrong":
+                wait_for(lambda: browser.evaluate(KEY_ASKED_JS + " && $('keymsg').textContent"), 30)
+                assert "refused" in browser.evaluate("$('keymsg').textContent")
+        wait_for(lambda: browser.evaluate("$('status').textContent") == "live", 30)
+        live_buffers_rise_and_fall(browser, srv, tmp_path)
+        live_shows_accepted_requests_and_long_steps(browser, holding, permits)
+        live_chat_follows_and_stops(browser, srv, holding, permits)
+        for width, height, mobile in [(360, 740, True), (390, 844, True), (1000, 700, False),
+                                      (1920, 1080, False), (2560, 1440, False)]:
+            live_fits(browser, width, height, mobile)
+            (tmp_path / f"live-{width}.png").write_bytes(browser.screenshot())
+        port = srv.server_address[1]
         srv.shutdown()
-        wait_for(lambda: "server went away" in browser.evaluate("$('gone').textContent"), 20)
+        wait_for(lambda: "server went away" in browser.evaluate("$('gone').textContent"), 30)
+        assert browser.evaluate("$('engine').classList.contains('stale')")
+        srv2 = make_server(None, "127.0.0.1", port, api_key="sekrit").start()  # a restart: loading
+        wait_for(lambda: "loading the model" in browser.evaluate("$('gone').textContent"), 30)
+        assert browser.evaluate("$('engine').classList.contains('stale')")
+        srv2.attach(LLM(ckpt, device="cpu", num_kv_blocks=32))
+        wait_for(lambda: browser.evaluate("$('device').textContent") == "0 / 32", 30)
+        # the first server's lines, rows and counts are gone; the page is live again
+        assert browser.evaluate("[lines.size, $('rows').children.length, $('engine').className,"
+                                " getComputedStyle($('gone')).display]") == [0, 0, "", "none"]
+        assert_no_console_error(browser.events)
     finally:
+        holding.clear()
+        permits.release(10)
         browser.close()
         srv.shutdown()
+        if srv2 is not None:
+            srv2.shutdown()
+
+
+def live_buffers_rise_and_fall(browser, srv, tmp_path) -> None:
+    """Three streams of 16 tokens: each row's buffer takes at least three values, and the row goes
+    once its reader is done: at most 16 / 2 s after the last token (readers at 2-3 tok/s)."""
+    ids, seen, shot, full, current = [], {}, None, False, {}
+    streams = [threading.Thread(target=stream_with_key, args=(srv, r, ids)) for r in (2, 2.5, 3)]
+    for stream in streams:
+        stream.start()
+    start, last_token_at = time.monotonic(), None
+    while len(ids) < 3 or any(i not in seen for i in ids) or any(i in current for i in ids):
+        if last_token_at is None and not any(s.is_alive() for s in streams):
+            last_token_at = time.monotonic()
+        assert (time.monotonic() - last_token_at < 16 / 2 + 30 if last_token_at
+                else time.monotonic() - start < 300), (ids, seen)
+        current = dict(json.loads(browser.evaluate(ROWS_JS)))
+        for request_id, buffer in current.items():
+            seen.setdefault(request_id, []).append(int(buffer))
+        if len(current) == 3 and (shot is None or not full):  # retaken once all have a buffer
+            full = all(int(b) > 0 for b in current.values())
+            shot = browser.screenshot()
+        time.sleep(0.1)
+    assert all(len(set(seen[i])) >= 3 for i in ids), seen  # each buffer rose and fell
+    assert browser.evaluate("$('policy').textContent") == "tokenflow"
+    (tmp_path / "live.png").write_bytes(shot)
+    assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
+
+
+STATES_JS = "JSON.stringify([...document.querySelectorAll('#rows tr')].map(t => t.dataset.state))"
+
+
+def live_shows_accepted_requests_and_long_steps(browser, holding, permits) -> None:
+    """With the engine's next step held, the burst's requests that the engine thread took show at
+    once (waiting), and after a second the page says a step is in progress; all go once it ends."""
+    holding.set()
+    browser.evaluate("$('n').value = 2; $('plen').value = 8; $('olen').value = 4;"
+                     "$('mix').value = '50'; $('burst').click()")
+    wait_for(lambda: browser.evaluate("$('burststate').textContent") == "sent 2 of 2", 30)
+    # the engine thread took the first before its step (the second may come while it is held)
+    wait_for(lambda: json.loads(browser.evaluate(STATES_JS))[:1] == ["waiting"], 30)
+    wait_for(lambda: browser.evaluate("$('busy').textContent").startswith("step in progress"), 30)
+    holding.clear()
+    permits.release()
+    wait_for(lambda: browser.evaluate("$('rows').children.length") == 0, 30)  # read at 50 tok/s
+    assert browser.evaluate("$('busy').textContent") == ""
+
+
+def live_chat_follows_and_stops(browser, srv, holding, permits) -> None:
+    """The answer box (made small) keeps its newest text in view, stays where the reader scrolled
+    up to, follows again once they are back at the bottom; Stop aborts the request on the server,
+    which the engine holds (100 steps, then none) so that it cannot finish first."""
+    holding.set()
+    permits.release(100)
+    browser.evaluate("$('answer').style.cssText = 'min-height: 0; max-height: 3em; width: 8em';"
+                     "$('rate').value = 30; $('send').click()")
+    length = lambda: browser.evaluate("$('answer').textContent.length")  # noqa: E731
+    wait_for(lambda: browser.evaluate("(b => b.scrollHeight > b.clientHeight + 20)($('answer'))"), 60)
+    assert browser.evaluate(AT_BOTTOM_JS)
+    shown = browser.evaluate("$('answer').scrollTop = 0; $('answer').textContent.length")
+    wait_for(lambda: length() > shown + 10, 60)
+    assert browser.evaluate("$('answer').scrollTop") == 0  # scrolled up: left there
+    shown = browser.evaluate("(b => (b.scrollTop = b.scrollHeight, b.textContent.length))($('answer'))")
+    wait_for(lambda: length() > shown + 10, 60)
+    assert browser.evaluate(AT_BOTTOM_JS)
+    browser.evaluate("$('stop').click()")
+    wait_for(lambda: browser.evaluate("$('chatstate').textContent").startswith("stopped"), 30)
+    wait_for(lambda: not srv.loop.inbox.empty(), 30)  # the server saw the stream closed: an abort
+    holding.clear()
+    permits.release()
+    wait_for(lambda: not srv.engine.requests, 30)
+    _, _, text = call(srv, "GET", "/metrics", headers={"Authorization": "Bearer sekrit"})
+    assert prometheus_values(text)['nanoflow_requests_total{outcome="abort"}'] == 1
+
+
+def live_fits(browser, width: int, height: int, mobile: bool) -> None:
+    """At this window size nothing sticks out sideways, every panel lies within the width (the page
+    scrolls down to it), the panels stack below 900 px, and the chart is redrawn at its new size."""
+    browser.resize(width, height, mobile)
+    wait_for(lambda: browser.evaluate(CHART_SHARP_JS), 30)  # the next snapshot redraws it
+    panels, inner, page_width = json.loads(browser.evaluate(PANELS_JS))
+    assert inner == width and page_width <= inner, (width, page_width)
+    for name, left, right, top, bottom in panels:
+        assert 0 <= left < right <= inner and top < bottom, (width, name, left, right)
+    table, chat = (next(p for p in panels if p[0].startswith(h)) for h in ("Requests", "Chat"))
+    assert (chat[3] >= table[4]) == (width < 900), (width, table, chat)  # chat below: stacked
+
+
+def assert_no_console_error(events: list[dict]) -> None:
+    """No script error, console error or warning, nor 404; the browser's own error lines only for
+    what the test did on purpose: a wrong key (401), a server stopped (refused) or loading (503)."""
+    expected = ("status of 401", "status of 503", "ERR_CONNECTION_REFUSED")
+    for event in events:
+        method, params = event["method"], event.get("params", {})
+        assert method != "Runtime.exceptionThrown", params
+        if method == "Runtime.consoleAPICalled":
+            assert params["type"] not in ("error", "warning", "assert"), params
+        if method == "Network.responseReceived":
+            assert params["response"]["status"] != 404, params["response"]["url"]
+        if method == "Log.entryAdded" and params["entry"]["level"] == "error":
+            assert any(s in params["entry"]["text"] for s in expected), params["entry"]
 
 
 def stream_with_key(server, rate: float, ids: list[str]) -> None:
@@ -2810,6 +2969,604 @@ def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits(
     assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(0.64, abs=0.01)  # the trace's README
 
 
+# ------------------------------------------------ issue 29: a README that invites, a live page that works on any screen
+
+import glob  # noqa: E402
+import re  # noqa: E402
+
+
+def markdown_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_links_point_at_what_exists():
+    """Every relative link in README.md and docs/*.md names a file that exists, and a #part of a
+    Markdown file names one of its headings; README stays a first-hour read (under 15 KB)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    pages = [os.path.join(root, "README.md"), *glob.glob(os.path.join(root, "docs", "*.md"))]
+    checked = 0
+    for page in pages:
+        text = open(page, encoding="utf-8").read()
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, part = target.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert os.path.exists(file), f"{os.path.relpath(page, root)}: no {target}"
+            if part and file.endswith(".md"):
+                headings = re.findall(r"^#+ (.+)$", open(file, encoding="utf-8").read(), re.M)
+                assert part in map(markdown_anchor, headings), f"{os.path.relpath(page, root)}: {target}"
+            checked += 1
+    assert checked >= 10  # the pattern finds the links
+    assert os.path.getsize(os.path.join(root, "README.md")) < 15_000
+
+
+def test_live_view_says_how_long_the_engine_thread_has_been_in_one_step():
+    """No snapshot for BUSY_HINT_S: the viewer gets the seconds since the engine thread last came
+    between steps (it notes the time even when nobody watches), not a stale snapshot again."""
+    clock = [100.0]
+    view = live.LiveView(types.SimpleNamespace(clock=lambda: clock[0]), "m")
+    view.observe([])  # nobody watches: nothing is built, the time is noted
+    clock[0] = 103.5
+    with view.watching() as version:
+        assert view.next(version) == {"version": 0, "busy_s": 3.5}
+    assert view.snapshot is None
+    assert [live.paused_with(b) for b in (None, -0.1, 2.25)] == [
+        "before its first token", "while stalling", "with 2.2 s of buffer"]
+# ------------------------------------------------ issue 27: Qwen3, Llama 3.2, Mistral; thinking models
+# Each family against transformers on a random checkpoint the test writes (every RMSNorm weight random, so
+# that a norm skipped or misplaced shows); GGUF files written with the `gguf` package's own writer and tensor
+# names; the reasoning split on a fixed template and a forced token stream.
+
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def write_family(path, family: str, seed: int = 0):
+    """A random checkpoint of a new family, saved by transformers; returns the transformers model. Qwen3's
+    tokenizer has its think markers (added, not special) and its template Qwen3's generation prompt."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "qwen3":  # head_dim 32 != 64 / 4, GQA, untied (as Qwen3-8B)
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, eos_token_id=2))
+    elif family == "llama3.2":  # Llama 3.2 1B's shape, scaled down: tied, one KV head per 4, rope factor 32
+        cfg = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True, rope_scaling=LLAMA32_ROPE,
+                          rope_theta=500000.0, eos_token_id=2)
+        model = LlamaForCausalLM(cfg)
+    else:
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+    model.eval().save_pretrained(path)
+    write_tokenizer(path, TINY["vocab_size"])
+    if family == "qwen3":
+        tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tk.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+        tk.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE,
+                                                                "eos_token": "<|im_end|>"}))
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3.2", "mistral"])
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, write_family(path, request.param)
+
+
+def test_new_families_match_transformers_batched_chunked_and_preempted(family):
+    name, path, hf = family
+    assert json.loads((path / "config.json").read_text())["architectures"][0] == type(hf).__name__
+    llm = LLM(path, device="cpu", num_kv_blocks=64)
+    for prompt in random_prompts(2, TINY["vocab_size"], seed=1, lengths=(40, 100)):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+    prompts = random_prompts(5, TINY["vocab_size"], seed=2, lengths=(10, 70))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # chunked prefill (24-token steps) mixed with decodes, a request preempted every 3 steps
+    batched = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                  policy=Forced(3, "load"))
+    outs = batched.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, name
+    assert batched.stats()["preemptions"] >= len(prompts)
+
+
+def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(family, tmp_path):
+    name, path, _ = family
+    if name != "mistral":
+        pytest.skip("one checkpoint is enough")
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(ValueError, match="'GemmaForCausalLM'.*LlamaForCausalLM, MistralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(tmp_path, device="cpu", num_kv_blocks=64)
+    # Mistral v0.1 attends to a window of the last tokens: served only when the context fits inside it
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
+    with pytest.raises(ValueError, match="sliding_window.*max_model_len <= 100 \\(now 512\\)"):
+        LLM(tmp_path, device="cpu", num_kv_blocks=64)
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=64, max_model_len=100).engine.max_model_len == 100
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=4).engine.max_model_len == 64  # the pool is the context
+    # Qwen2/3 configs name a window and switch it off
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False}))
+    assert LLM(tmp_path, device="cpu", num_kv_blocks=64).engine.max_model_len == 512
+
+
+def write_gguf(path, ckpt, hf) -> None:
+    """The checkpoint as llama.cpp's converter lays it out: its tensor names (the gguf package's map), llama's
+    q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, added tokens as control (special) or
+    user-defined tokens, the vocabulary padded to the model's."""
+    import gguf
+
+    cfg = hf.config
+    arch = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[cfg.architectures[0]]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    added = {t["content"]: t["special"] for t in tok["added_tokens"]}
+    kinds = {True: gguf.TokenType.CONTROL, False: gguf.TokenType.USER_DEFINED}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)])
+    writer.add_token_types([kinds[added[t]] if t in added else gguf.TokenType.NORMAL for t in tokens]
+                           + [gguf.TokenType.USER_DEFINED] * (cfg.vocab_size - len(tokens)))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3 if arch == "qwen3" else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)
+    for name, w in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's permute
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), w.float().numpy())
+    if cfg.rope_parameters.get("rope_type") == "llama3":  # divisors of the default frequencies
+        d = cfg.head_dim
+        default = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        writer.add_tensor("rope_freqs.weight", (default / hf.model.rotary_emb.inv_freq.double()).float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_matches_the_same_safetensors_checkpoint(family, tmp_path):
+    name, path, hf = family
+    if name == "mistral":
+        pytest.skip("llama.cpp writes Mistral as llama: the llama3.2 case reads that layout")
+    write_gguf(tmp_path / "model.gguf", path, hf)
+    from_gguf = LLM(tmp_path / "model.gguf", device="cpu", num_kv_blocks=64)
+    from_hf = LLM(path, device="cpu", num_kv_blocks=64)
+    assert from_gguf.engine.config.architecture == type(hf).__name__
+    assert from_gguf.engine.config.tie_word_embeddings == (name == "llama3.2")
+    prompt = random_prompts(1, TINY["vocab_size"], seed=3, lengths=(60, 60))[0]
+    assert (engine_logits(from_gguf, prompt) - engine_logits(from_hf, prompt)).abs().max() <= 1e-5
+    prompts = random_prompts(3, TINY["vocab_size"], seed=4, lengths=(5, 40))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ([o.token_ids for o in from_gguf.generate(prompts, params)]
+            == [o.token_ids for o in from_hf.generate(prompts, params)])
+    text = "<think>\nthe quick</think> brown fox<|im_end|>"
+    assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
+    assert from_gguf.tokenizer.decode(from_hf.tokenizer.encode(text)) == from_hf.tokenizer.decode(
+        from_hf.tokenizer.encode(text)) == text.removesuffix("<|im_end|>")
+    if name == "qwen3":  # the markers are one token each, as in Qwen3's own tokenizer
+        assert len(from_gguf.tokenizer.encode("<think></think>")) == 2
+
+
+REASONING_CASES = [  # output text, end of the prompt, the reasoning and the content it splits into
+    ("<think>\nthe fox\n</think>\n\nhello", "<|im_start|>assistant\n", "\nthe fox\n", "\n\nhello"),
+    ("hello world", "<|im_start|>assistant\n", "", "hello world"),  # no think block: all answer
+    ("<think>\nthe fox", "assistant\n", "\nthe fox", ""),  # cut by max_tokens while thinking
+    ("<think>\nthe fox</thi", "assistant\n", "\nthe fox</thi", ""),  # cut inside the end marker
+    ("<thi", "assistant\n", "", "<thi"),  # began like a marker; was not one
+    ("<think>", "assistant\n", "", ""),
+    ("the fox\n</think>\n\nhello", "assistant\n<think>\n", "the fox\n", "\n\nhello"),  # the template opened it
+    ("hello", "<think>\n\n</think>\n\n", "", "hello"),  # enable_thinking=False: an empty block in the prompt
+    ("<think>a<</think>b</think>", "", "a<", "b</think>"),
+]
+
+
+@pytest.mark.parametrize("text,tail,reasoning,content", REASONING_CASES)
+def test_reasoning_parser_splits_every_chunking_of_a_text_alike(text, tail, reasoning, content):
+    from nanoflow.reasoning import ReasoningParser
+
+    cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1)]
+    for pieces in [[text[:i], text[i:j], text[j:]] for i, j in cuts] + [list(text)]:
+        parser = ReasoningParser("qwen3", tail)
+        got = [parser.feed(p) for p in pieces] + [parser.flush()]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content), pieces
+
+
+@pytest.fixture(scope="module")
+def thinking_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-thinking")
+    write_family(path, "qwen3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_ckpt):
+    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny",
+                      reasoning_parser="qwen3").start()
+    yield srv
+    srv.shutdown()
+
+
+def force_output(server, monkeypatch, text: str) -> list[int]:
+    """Every request generates the tokens of `text`, then end-of-turn: the model's own sampling is skipped."""
+    tok = server.engine.tokenizer
+    ids = tok.encode(text) + [tok.tk.token_to_id("<|im_end|>")]
+    monkeypatch.setattr(server.engine, "run", lambda batch: [ids[r.num_output_tokens] for r in batch.sampled])
+    return ids
+
+
+def chat_both_ways(server, body: dict) -> tuple[list[dict], list[list[dict]], dict]:
+    """The messages of a whole answer, each choice's streamed deltas, and the usage, for one body."""
+    status, _, whole = call(server, "POST", CHAT, {"messages": HELLO, **body})
+    assert status == 200, whole
+    sock, resp = open_stream(server, CHAT, {"messages": HELLO, **body})
+    chunks = [c for _, c in sse(resp) if c != "[DONE]"]
+    deltas = [[c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+              for i in range(len(whole["choices"]))]
+    assert [c["finish_reason"] for c in whole["choices"]] == [
+        [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["index"] == i][-1]
+        for i in range(len(whole["choices"]))]
+    return [c["message"] for c in whole["choices"]], deltas, whole
+
+
+@pytest.mark.parametrize("body,reasoning,content,finish", [
+    ({"n": 2}, "\nthe fox\n", "\n\nhello world", "stop"),
+    ({"max_tokens": 3}, None, None, "length"),  # cut while thinking: the reasoning so far, no answer
+    ({"stop": ["fox"]}, "\nthe ", None, "stop"),  # a stop string inside the thinking stops it
+    ({"stop": ["hello"]}, "\nthe fox\n", "\n\n", "stop"),
+])
+def test_reasoning_content_streamed_and_whole(thinking_server, monkeypatch, body, reasoning, content, finish):
+    ids = force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
+    messages, deltas, whole = chat_both_ways(thinking_server, body)
+    if body.get("max_tokens") == 3:  # whatever the first three tokens spell after the marker
+        reasoning = thinking_server.engine.tokenizer.decode(ids[:3]).removeprefix("<think>")
+        assert whole["usage"]["completion_tokens"] == 3 and reasoning
+    if "n" in body:  # max_tokens and usage count the thinking too
+        assert whole["usage"]["completion_tokens"] == 2 * len(ids)
+    for message, streamed in zip(messages, deltas, strict=True):
+        assert (message["reasoning_content"], message["content"], whole["choices"][0]["finish_reason"]) == (
+            reasoning, content, finish)
+        assert streamed[0] == {"role": "assistant", "content": ""}
+        kinds = [k for d in streamed[1:] for k in d]
+        assert kinds == sorted(kinds, key=lambda k: k == "content")  # the thinking streams first
+        assert "".join(d.get("reasoning_content", "") for d in streamed) == (reasoning or "")
+        assert "".join(d.get("content", "") for d in streamed) == (content or "")
+
+
+def test_an_answer_without_thinking_and_chat_template_kwargs(thinking_server, monkeypatch):
+    force_output(thinking_server, monkeypatch, "hello world")
+    got = capture_params(thinking_server, monkeypatch)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    messages, deltas, _ = chat_both_ways(thinking_server, off)
+    assert (messages[0]["reasoning_content"], messages[0]["content"]) == (None, "hello world")
+    assert all("reasoning_content" not in d for d in deltas[0])
+    # the template's kwargs reach it: Qwen3's empty think block ends the prompt
+    assert thinking_server.engine.tokenizer.decode(got[0][0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    status, _, default = call(thinking_server, "POST", "/tokenize", {"messages": HELLO})
+    assert thinking_server.engine.tokenizer.decode(default["tokens"]).endswith("assistant\n")
+    status, _, err = call(thinking_server, "POST", CHAT, {"messages": HELLO, "chat_template_kwargs": [1]})
+    assert status == 400 and "chat_template_kwargs" in err["error"]["message"]
+
+
+def test_reasoning_parser_is_off_by_default(thinking_ckpt, monkeypatch):
+    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0).start()
+    try:
+        text = "<think>\nthe fox\n</think>\n\nhello world"
+        force_output(srv, monkeypatch, text)
+        messages, deltas, _ = chat_both_ways(srv, {})
+        assert messages[0] == {"role": "assistant", "content": text}
+        assert "".join(d.get("content", "") for d in deltas[0]) == text
+    finally:
+        srv.shutdown()
+    assert parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert parse_args([]).reasoning_parser is None
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: qwen3"):
+        make_server(None, "127.0.0.1", 0, reasoning_parser="r1")
+
+
+# ------------------------------------------------ issue 23: past capacity; the link is full duplex
+
+
+class FakeEvent:
+    """A CUDA event on the CPU: done once the test (or a host wait) says so."""
+
+    def __init__(self, **_):
+        self.done = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_its_blocks(monkeypatch):
+    """Copies to host and loads each have a stream and a queue: a load issued while an eviction is in
+    flight does not wait for it (both are in flight at once), unless the eviction fills the very host
+    blocks the load reads: then it waits for exactly those, and the KV loaded is the KV evicted."""
+    shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
+    monkeypatch.setattr("nanoflow.swap.STAGING_BYTES", 2 * 2 * 2 * 4 * 2 * 8 * 4)  # 2 blocks a chunk
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    device = KVPool(16, *shape, torch.float32, torch.device("cpu"))
+    host = KVPool(16, *shape, torch.float32, torch.device("cpu"), host=True)
+    swapper = Swapper(device, host)
+    swapper.on_cuda = True  # the CUDA path's books, its device work done at once on the CPU
+    for lane in (swapper.out, swapper.back):
+        lane.stream = types.SimpleNamespace(wait_stream=lambda s: None, device=None)
+    device.kv_cache.copy_(torch.randn(device.kv_cache.shape))
+
+    def request(num_tokens):
+        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
+                                    num_computed_tokens=num_tokens, load_event=None)
+        assert device.grow(req.block_table, num_tokens)
+        return req, device.kv_cache[req.block_table].clone()
+
+    (b, b_kv), (a, a_kv) = request(8), request(16)
+    assert swapper.evict(b)
+    swapper.complete_all()  # b's KV is on host; nothing in flight
+    assert swapper.evict(a)  # 4 blocks: two chunks in flight on the lane to host
+    evicting = list(swapper.out.in_flight)
+    assert len(evicting) == 2 and not swapper.back.in_flight
+    assert swapper.load(b)  # b's host blocks are not a's: the load does not wait for a's eviction
+    assert list(swapper.out.in_flight) == evicting and not any(t.done.query() for t in evicting)
+    assert len(swapper.back.in_flight) == 1 and b.load_event is swapper.back.in_flight[-1].done
+    assert set(swapper.pending_event().events) == {evicting[-1].done, b.load_event}
+    assert torch.equal(device.kv_cache[b.block_table], b_kv)
+    assert swapper.load(a)  # a's host blocks are filled by those very copies: it waits for them
+    assert not swapper.out.in_flight and all(t.done.query() for t in evicting)
+    assert torch.equal(device.kv_cache[a.block_table], a_kv)
+
+
+def test_simulated_link_carries_both_directions_at_once():
+    """In the simulator, a load queued behind a long eviction is done after its own bytes only."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    swapper, clock = engine.scheduler.swapper, engine.clock
+    block_s = swapper.transfer_time(1)
+    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out
+    event = swapper._to_device([0, 1], [0, 1])  # 2 blocks back
+    assert event.at == pytest.approx(clock() + 2 * block_s)
+    assert swapper.backlog() == pytest.approx(100 * block_s)
+    assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
+
+
+def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, monkeypatch):
+    """At 100 prompt tokens/s, four 50-token prompts start within START_BOUND_S (2 s): with
+    --max-waiting 2, the seventh request finds 6 queued, 2 of them stuck, and gets 503. Retry-After:
+    the one request over the limit, 10 tokens at a decode step of 0.5 s per request (a fitted line
+    through (2 requests, 1 s) with slope 0.5), is 10 x 0.5 = 5 s whatever the batch."""
+    rates = server.engine.scheduler.rates
+    monkeypatch.setattr(server.loop, "max_waiting", 2)
+    monkeypatch.setattr(rates, "observe", lambda *a: None)  # the test's rates, not the steps'
+    monkeypatch.setattr(rates, "prefill_rate", 100.0)
+    monkeypatch.setattr(rates, "decode_moments", (2.0, 1.0, 6.0, 3.0))
+    assert [rates.decode_time(b) for b in (1, 4)] == [0.5, 2.0]
+    body = dict(prompt=list(range(3, 53)), max_tokens=10)
+    streams = [open_stream(server, "/v1/completions", body) for _ in range(6)]
+    status, resp, err = call(server, "POST", "/v1/completions", body)
+    assert status == 503 and resp.getheader("Retry-After") == "5" and err["error"]["code"] == "overloaded"
+    gate.set()
+    for _, resp in streams:
+        assert [c for _, c in sse(resp)][-1] == "[DONE]"
+    assert all_free(server)
+# ------------------------------------------------ issue 28: tensor parallelism
+# Two ranks on this CPU over gloo, each a process; tiny random-weight checkpoints keep them quick.
+
+from nanoflow import dist  # noqa: E402
+
+
+@contextlib.contextmanager
+def tensor_parallel(path, **kwargs):
+    """A TP=2 LLM whose worker is stopped (and checked gone) on leaving."""
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, **kwargs)
+    procs = list(dist.workers)
+    try:
+        yield llm
+    finally:
+        dist.shutdown()
+        assert procs and not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 1)])
+def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
+    """TP=2 against TP=1 on the same checkpoint; qwen2 (biases, tied embeddings) with one KV head:
+    both ranks keep it. Rank 0 holds half of every split weight (the norms are whole)."""
+    write_checkpoint(tmp_path, arch, num_key_value_heads=kv_heads)
+    prompt = random_prompts(1, TINY["vocab_size"], seed=20, lengths=(40, 40))[0]
+    one = LLM(tmp_path, device="cpu", num_kv_blocks=8)
+    assert not torch.distributed.is_initialized() and not dist.workers  # one rank: nothing of it
+    expected = engine_logits(one, prompt)
+    with tensor_parallel(tmp_path, num_kv_blocks=8) as llm:
+        assert llm.engine.kv.kv_cache.shape[-2] == max(1, kv_heads // 2)
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+        whole = ("norm", "k_proj", "v_proj") if kv_heads == 1 else ("norm",)
+        for (name, p), mine in zip(one.engine.model.named_parameters(),
+                                   llm.engine.model.parameters()):
+            assert mine.numel() == p.numel() // (1 if any(w in name for w in whole) else 2), name
+
+
+@pytest.mark.timeout(60)
+def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_and_stops_the_workers(
+        ckpt, monkeypatch):
+    started = []
+    launch = dist.launch
+
+    def recording_launch(*args):
+        shard = launch(*args)
+        started.extend(dist.workers)
+        return shard
+    monkeypatch.setattr(dist, "launch", recording_launch)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLM(ckpt, device="cpu", tensor_parallel_size=3)
+    assert len(started) == 2 and not dist.workers and not dist.leading
+    for p in started:
+        p.join(10)
+    assert [p.exitcode for p in started] == [0, 0]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch,resume", [("llama", "recompute"), ("qwen2", "load")])
+def test_tensor_parallel_greedy_matches_one_rank(tmp_path, arch, resume):
+    """Batching, chunked prefill (24-token budget), forced preemptions resumed by recompute or by
+    loads of what every rank wrote to its own host pool; a second round hits the prefix cache."""
+    write_checkpoint(tmp_path, arch)
+    prompts = shared_prefix_prompts(seed=25)
+    one = LLM(tmp_path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in one.generate(prompts, params)]
+    with tensor_parallel(tmp_path, num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                         policy=Forced(2, resume)) as llm:
+        for _ in range(2):
+            assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        stats = llm.stats()
+    assert stats[f"resumes_{resume}"] >= len(prompts)
+    assert stats["prefix_hit_tokens"] > sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_loads_a_prefix_from_every_ranks_host_tier(ckpt):
+    """Fillers push a turn's cached blocks off the device (each rank copies its KV to its own host
+    pool); the next turn loads them on every rank, and its tokens show they arrived intact."""
+    first, new = shared_prefix_prompts(seed=23)[:2]
+    with tensor_parallel(ckpt, num_kv_blocks=12, host_kv_gb=0.01, policy="fcfs") as llm:
+        reply = llm.generate(first, GREEDY)[0].token_ids
+        for filler in random_prompts(2, TINY["vocab_size"], seed=24, lengths=(150, 150)):
+            llm.generate(filler, GREEDY)
+        second = first + reply + new
+        tokens = llm.generate(second, GREEDY)[0].token_ids
+        hits = llm.stats()["prefix_host_hit_tokens"]
+    off = LLM(ckpt, device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    assert tokens == off.generate(second, GREEDY)[0].token_ids
+    assert hits == (len(first) + len(reply) - 1) // 16 * 16
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_under_torchrun(ckpt, tmp_path):
+    """torchrun starts both ranks (as on several machines); rank 1's LLM() serves rank 0's steps."""
+    prompt = random_prompts(1, TINY["vocab_size"], seed=26, lengths=(30, 30))[0]
+    script = tmp_path / "run.py"
+    script.write_text(f"import sys\nfrom nanoflow import LLM, SamplingParams\n"
+                      f"llm = LLM(sys.argv[1], device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
+                      f"p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+                      f"print('tokens', llm.generate([{prompt}], p)[0].token_ids)\n")
+    repo = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(ckpt)], capture_output=True,
+                         text=True, timeout=100, env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 0, out.stderr
+    one = LLM(ckpt, device="cpu", num_kv_blocks=16)
+    expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.stdout.count("tokens") == 1 and f"tokens {expected[0].token_ids}" in out.stdout
+
+
+def process_state(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a process from /proc; None once it is gone."""
+    with contextlib.suppress(OSError):
+        text = open(f"/proc/{pid}/stat").read()
+        state, ppid = text[text.rindex(")") + 2:].split()[:2]
+        return int(ppid), state
+    return None
+
+
+def live_children(pid: int) -> list[int]:
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if (st := process_state(p)) and st[0] == pid and st[1] != "Z"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["kill a worker", "SIGINT", "SIGTERM"])
+def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
+    """A chat answer streams from two ranks. A dead worker ends the server within 5 s with an error
+    naming it; Ctrl-C or a service manager's SIGTERM (to the whole process group) drains and ends
+    it with 0. Either way no process of it is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port",
+                             "0", "--device", "cpu", "--num-kv-blocks", "64",
+                             "--tensor-parallel-size", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    kids = []
+    try:
+        proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()
+        host, port = line.split("http://")[1].split("/")[0].split(":")
+        kids = live_children(proc.pid)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        chunks = [c for _, c in sse(conn.getresponse())]
+        assert chunks[-1] == "[DONE]" and len(chunks) > 2
+        if end == "kill a worker":
+            [worker] = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+            os.kill(worker, signal.SIGKILL)
+            assert proc.wait(timeout=5) != 0
+            assert f"worker nanoflow-rank1 (pid {worker}) died" in proc.stderr.read()
+        else:
+            os.killpg(proc.pid, getattr(signal, end))
+            assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert kids and all((process_state(k) or "ZZ")[1] == "Z" for k in kids)
+    finally:
+        proc.kill()
+        for k in kids:
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9),
+                                                 ("4x4090-qwen2.5-32b", 4, 24e9)])
+def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
+    from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
+
+    cost = PRESETS[preset]()
+    assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, torch.bfloat16)
+    # a rank holds 1/N of the bf16 weights, and they fit its card beside its KV pool
+    weights = cost.weights_read_s / cost.per_kv_token_s * cost.kv_bytes_per_token
+    assert weights == pytest.approx(32.5e9 * 2 / gpus)
+    assert weights + cost.num_kv_blocks * cost.block_size * cost.kv_bytes_per_token < 0.9 * memory
+    reqs = drive(sim_engine(preset, "tokenflow"), burst(20, rate=8.0))
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
 # ------------------------------------------------ issue 25: tests that catch policy mistakes and the newest paths
 # Small scenes whose expected decisions are derived by hand in a comment; the newest paths (host-tier
 # prefix loads, demotion, `n`, logprobs, keep-alive) beyond their happy path. tools/mutate.py plants
@@ -2918,11 +3675,11 @@ class LoadWhenFaster(FCFS):
                                                           (2000.0, 0.0, False), (1000.0, 0.001, False)])
 def test_load_or_recompute_by_hand(prefill_rate, backlog, by_load):
     """A paused request with 64 tokens (4 blocks of 16 KB) on host: loading takes 4 x 0.016 s =
-    0.064 s behind the queued copies; recomputing 64 / prefill_rate s. A tie loads."""
+    0.064 s behind the queued loads; recomputing 64 / prefill_rate s. A tie loads."""
     engine = sim_engine(toy_cost(), LoadWhenFaster())
     s = engine.scheduler
     s.rates.prefill_rate = prefill_rate
-    s.swapper.link_free_at = backlog
+    s.swapper.free_at["back"] = backlog  # loads queued ahead of this one
     req = paused_reader(engine, 63, host_tokens=64)
     assert s.resumes_by_load(req) == by_load
     # loading needs the 4 blocks of its KV and one for its next token; recomputing, one to start

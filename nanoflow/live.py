@@ -1,14 +1,17 @@
 """The live view: what the page at `GET /` (live.html) shows, several times a second.
 
 While a browser watches, the engine thread (the only one that touches requests) builds a snapshot
-after a step, at most every SNAPSHOT_INTERVAL_S (a row per request with its reader's buffer, the KV
-pools, tokens/s, recent preemptions and resumes), and the viewers' threads send it as an SSE event.
+after a step, at most every SNAPSHOT_INTERVAL_S, and at once when it has taken new requests (a row
+per request with its reader's buffer, the KV pools, tokens/s, recent preemptions and resumes); the
+viewers' threads send it as an SSE event, and while the engine thread is busy in a long step they
+say so every BUSY_HINT_S.
 """
 
 import math
 import random
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +21,7 @@ from .engine import Engine
 from .sched import Request, RequestStatus, SamplingParams
 
 SNAPSHOT_INTERVAL_S = 0.2  # five frames a second: buffers move smoothly; one costs ~0.1 ms to build
+BUSY_HINT_S = 1.0  # no snapshot for this long: a long step (a prefill on a CPU); the page says so
 RECENT_EVENTS = 30  # preemptions and resumes a snapshot carries, the newest last
 MAX_BURST = 512  # requests one burst may send: twice the server's default --max-waiting
 SNAPSHOT_STATS = ("preemptions", "resumes_load", "resumes_recompute", "running", "waiting")
@@ -39,8 +43,13 @@ class LiveView:
         self.version = 0
         self.snapshot: dict | None = None
         self.closed = False
+        # a page that reconnects to another server (a restart) starts afresh
+        self.server_id = uuid.uuid4().hex
         self.built_at = float("-inf")
-        self.tokens = 0  # tokens generated since the last snapshot
+        self.stepped_at = engine.clock()  # when the engine thread last came between steps
+        self.counting_since = float("-inf")
+        self.tokens = 0  # tokens generated since counting_since
+        self.tokens_per_s: float | None = None
         self.draining: dict[str, Request] = {}  # finished, their readers still reading
         self.states: dict[str, str] = {}  # each request's state in the last snapshot
         self.events: deque[dict] = deque(maxlen=RECENT_EVENTS)
@@ -57,11 +66,16 @@ class LiveView:
             with self.changed:
                 self.viewers -= 1
 
-    def next(self, version: int, timeout: float) -> dict | None:
-        """The newest snapshot once past `version` (or at timeout); None once closed."""
+    def next(self, version: int) -> dict | None:
+        """The newest snapshot once past `version`; None once closed. Past BUSY_HINT_S without one,
+        only {"version", "busy_s"}: the engine thread has been in one step for busy_s seconds."""
         with self.changed:
-            self.changed.wait_for(lambda: self.version > version or self.closed, timeout)
-            return None if self.closed else self.snapshot
+            self.changed.wait_for(lambda: self.version > version or self.closed, BUSY_HINT_S)
+            if self.closed:
+                return None
+            if self.version > version:
+                return self.snapshot
+            return {"version": self.version, "busy_s": self.engine.clock() - self.stepped_at}
 
     def close(self) -> None:
         with self.changed:
@@ -70,15 +84,18 @@ class LiveView:
 
     def restart(self) -> None:
         """A viewer arrived: publish after the next step, counting tokens/s afresh."""
-        self.built_at = float("-inf")
+        self.built_at = self.counting_since = float("-inf")
         self.tokens = 0
 
-    def observe(self, done: list[Request]) -> None:
-        """After a step (`done`: the requests that got a token): publish a snapshot when due."""
+    def observe(self, done: list[Request], fresh: bool = False) -> None:
+        """After a step (`done`: the requests that got a token), publish a snapshot when one is due;
+        `fresh`: the engine thread has just taken new requests, publish now (before a long step)."""
+        now = self.stepped_at = self.engine.clock()
+        if not self.viewers:
+            return
         self.tokens += len(done)
         self.draining.update((r.request_id, r) for r in done if r.is_finished)
-        now = self.engine.clock()
-        if now - self.built_at < SNAPSHOT_INTERVAL_S:
+        if now - self.built_at < SNAPSHOT_INTERVAL_S and not fresh:
             return
         snapshot = self.build(now)
         with self.changed:
@@ -93,15 +110,17 @@ class LiveView:
         reqs.sort(key=lambda r: r.arrival_time)
         rows = [request_row(r, now) for r in reqs]
         self._note_events(reqs, rows)
-        gap = now - self.built_at
-        tokens_per_s = self.tokens / gap if math.isfinite(gap) else None
+        gap = now - self.counting_since
+        if gap >= SNAPSHOT_INTERVAL_S:  # a fresh snapshot soon after another keeps the last rate
+            self.tokens_per_s = self.tokens / gap if math.isfinite(gap) else None
+            self.counting_since, self.tokens = now, 0
         self.built_at = now
-        self.tokens = 0
         stats = engine.stats()
         pools = {f"{pool}_blocks": [stats[f"{pool}_blocks_total"] - stats[f"{pool}_blocks_free"],
                                     stats[f"{pool}_blocks_total"]] for pool in ("device", "host")}
-        return {"model": self.model, "policy": type(engine.scheduler.policy).__name__.lower(),
-                "tokens_per_s": tokens_per_s, "rows": rows, "events": list(self.events),
+        return {"server": self.server_id, "model": self.model,
+                "policy": type(engine.scheduler.policy).__name__.lower(),
+                "tokens_per_s": self.tokens_per_s, "rows": rows, "events": list(self.events),
                 **{k: stats[k] for k in SNAPSHOT_STATS}, **pools}
 
     def _note_events(self, reqs: list[Request], rows: list[dict]) -> None:
@@ -109,13 +128,19 @@ class LiveView:
         for req, row in zip(reqs, rows):
             before = self.states.get(row["id"])
             if row["state"] in PAUSED and before not in PAUSED:
-                self._event(row, f"{row['state']} with {row['buffer_s'] or 0:.1f} s of buffer")
+                self._event(row, f"{row['state']} {paused_with(row['buffer_s'])}")
             elif before in PAUSED and row["state"] not in PAUSED:
                 self._event(row, f"resumed by {'load' if req.num_host_tokens else 'recompute'}")
         self.states = {row["id"]: row["state"] for row in rows}
 
     def _event(self, row: dict, what: str) -> None:
         self.events.append({"time": time.time(), "id": row["id"], "what": what})
+
+
+def paused_with(buffer_s: float | None) -> str:
+    if buffer_s is None:
+        return "before its first token"
+    return "while stalling" if buffer_s < 0 else f"with {buffer_s:.1f} s of buffer"
 
 
 def request_state(req: Request) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 TTFT_TARGET = 1.3  # s: past it users disengage (TokenFlow's user study); Andes' QoE target
+TTFT_SLO = 2.0  # s: the bench's TTFT SLO on a GPU (--ttft-slo); a request without a token misses it
 ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() levels; the rest are counts
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s: users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s readers need < 0.125
@@ -74,7 +75,8 @@ def percentile(xs: list[float], p: float) -> float:
     return torch.tensor(xs, dtype=torch.float64).quantile(p / 100).item() if xs else float("nan")
 
 
-def summarize(records: list[RequestRecord], makespan: float) -> dict[str, float]:
+def summarize(records: list[RequestRecord], makespan: float,
+              ttft_slo: float = TTFT_SLO) -> dict[str, float]:
     """The bench's and /metrics' numbers over finished requests, in seconds and tokens/s."""
     done = [r for r in records if r.token_times]
     ttfts = [r.ttft for r in done]
@@ -88,6 +90,7 @@ def summarize(records: list[RequestRecord], makespan: float) -> dict[str, float]
             "ttft_p99": percentile(ttfts, 99), "tbt_p99": percentile(tbts, 99),
             "rebuffer_mean": mean(rebuffers), "rebuffer_p99": percentile(rebuffers, 99),
             "qoe_mean": mean(qoes), "qoe_good_share": mean([q >= 0.95 for q in qoes]),
+            "ttft_slo_share": sum(t <= ttft_slo for t in ttfts) / max(1, len(records)),
             "effective_throughput": weighted / makespan, "throughput": tokens / makespan,
             "makespan": makespan, "requests": len(records), "completed": len(done)}
 

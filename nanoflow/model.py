@@ -1,4 +1,5 @@
-"""The model: its config, the Llama/Qwen2 forward, and its weights.
+"""The model: its config, the Llama-family forward (Llama, Mistral, Qwen2, Qwen3), its
+tensor-parallel shards, its weights.
 
 A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
 file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same
@@ -19,13 +20,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttnMetadata, paged_attention, store_kv
+from .attention import AttnMetadata, cdiv, paged_attention, store_kv
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+@dataclass(frozen=True)
+class Family:
+    """What a decoder family changes in the Llama forward: the columns of ARCHITECTURES."""
+
+    qkv_bias: bool = False  # q/k/v always carry a bias (else all four follow attention_bias)
+    qk_norm: bool = False  # a per-head RMSNorm of q and of k before RoPE
+
+
+# Every family may also set rope_scaling (Llama 3's "llama3"), tie its embeddings, and name a
+# sliding_window, which nanoflow serves only when the whole context fits inside it.
+ARCHITECTURES = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),  # Llama's tensors; only the window is new
+    "Qwen2ForCausalLM": Family(qkv_bias=True),
+    "Qwen3ForCausalLM": Family(qk_norm=True),
+}
+# llama.cpp's general.architecture: Mistral is converted as "llama" (with q/k rows permuted)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 KVCache = tuple[Tensor, Tensor]  # one layer's K and V views of the paged pool
 
 # ---------------------------------------------------------------- config
@@ -33,9 +54,9 @@ KVCache = tuple[Tensor, Tensor]  # one layer's K and V views of the paged pool
 
 @dataclass
 class ModelConfig:
-    """The shape of a Llama/Qwen2 decoder, in HuggingFace's field names."""
+    """The shape of a decoder, in HuggingFace's field names."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # a key of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,24 +67,30 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    rope_freq_factors: list[float] | None = None  # a GGUF's rope_freqs: Llama 3's, precomputed
     max_position_embeddings: int = 4096
-    attention_bias: bool = False  # q/k/v (and, for llama, o) projections carry a bias
+    attention_bias: bool = False
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def family(self) -> Family:
+        return ARCHITECTURES[self.architecture]
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; "
-                             f"nanoflow runs {sorted(ARCHITECTURES)}")
+        _check_supported(arch, ARCHITECTURES)
         # transformers 5 / 4
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        # Qwen2/3 name a window and turn it off
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
-            architecture=ARCHITECTURES[arch],
+            architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -75,10 +102,82 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            attention_bias=ARCHITECTURES[arch] == "qwen2" or cfg.get("attention_bias", False),
+            attention_bias=cfg.get("attention_bias", False),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            sliding_window=window,
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         )
+
+
+def _check_supported(arch: str, known: dict) -> None:
+    if arch not in known:
+        raise ValueError(f"unsupported architecture {arch!r}; nanoflow runs {', '.join(known)}")
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size` in Megatron's layout: column-parallel weights (q/k/v, gate/up, the
+    vocabulary of embed_tokens and lm_head) keep a range of output rows, row-parallel ones (o_proj,
+    down_proj) the matching input columns, their partial outputs summed over the ranks. With fewer
+    KV heads than ranks, each rank keeps the one KV head its query heads read."""
+
+    rank: int = 0
+    size: int = 1
+
+    def part(self, n: int) -> slice:
+        per = cdiv(n, self.size)
+        return slice(min(self.rank * per, n), min((self.rank + 1) * per, n))
+
+    def kv_heads(self, cfg: ModelConfig) -> slice:
+        kv = cfg.num_key_value_heads
+        first = self.rank * kv // self.size
+        return self.part(kv) if kv >= self.size else slice(first, first + 1)
+
+    def check(self, cfg: ModelConfig) -> None:
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if heads % self.size or (kv % self.size and self.size % kv):
+            raise ValueError(f"tensor_parallel_size {self.size} must divide the {heads} attention "
+                             f"heads, and divide or be a multiple of the {kv} KV heads")
+
+    def spec(self, name: str, cfg: ModelConfig) -> tuple[int, slice] | None:
+        """(dim, range) of checkpoint tensor `name` that this rank keeps; None: all of it."""
+        d = cfg.head_dim
+        heads, kv = self.part(cfg.num_attention_heads), self.kv_heads(cfg)
+        q, k = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
+        ffn, vocab = self.part(cfg.intermediate_size), self.part(cfg.vocab_size)
+        rows = {"q_proj": q, "k_proj": k, "v_proj": k, "gate_proj": ffn, "up_proj": ffn,
+                "embed_tokens": vocab, "lm_head": vocab}
+        columns = {"o_proj": q, "down_proj": ffn}
+        module, param = name.split(".")[-2:]
+        if module in rows:
+            return 0, rows[module]
+        # a row-parallel bias is added once, after the sum: every rank keeps all of it
+        return (1, columns[module]) if module in columns and param == "weight" else None
+
+    def take(self, name: str, t, cfg: ModelConfig) -> Tensor:
+        """This rank's slice of a tensor or of a lazy safetensors slice (which reads only that)."""
+        spec = self.spec(name, cfg) if self.size > 1 else None
+        if spec is None:
+            return t[:]
+        out = t[spec[1]] if spec[0] == 0 else t[:, spec[1]]
+        # a view would keep the whole dequantized tensor alive
+        return out.clone() if isinstance(t, Tensor) else out
+
+
+def row_parallel(linear: nn.Linear, x: Tensor, shard: Shard) -> Tensor:
+    """A row-parallel projection: partial products summed over the ranks, then the bias once."""
+    if shard.size == 1:
+        return linear(x)
+    y = F.linear(x, linear.weight)
+    dist.all_reduce(y)
+    return y if linear.bias is None else y + linear.bias
+
+
+def width(s: slice) -> int:
+    return s.stop - s.start
 
 
 # ---------------------------------------------------------------- the forward
@@ -100,6 +199,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """Rotary frequencies, with Llama 3's long-context rescaling when the config asks for it."""
     d = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if cfg.rope_freq_factors is not None:  # llama.cpp's divisors, the same Llama 3 rescaling
+        return (inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)).float()
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -120,48 +221,53 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.shard, self.head_dim = shard, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // shard.size
+        self.num_kv_heads = width(shard.kv_heads(cfg))
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias and cfg.architecture == "llama")
+        family, bias = cfg.family, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias or family.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias or family.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias or family.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias)
+        norm = (lambda: RMSNorm(self.head_dim, cfg.rms_norm_eps)) if family.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
                 ) -> Tensor:
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         out = paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out.view(n, -1))
+        return row_parallel(self.o_proj, out.view(n, -1), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        inter = width(shard.part(cfg.intermediate_size))
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
                 ) -> Tensor:
@@ -170,29 +276,32 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(width(shard.part(cfg.vocab_size)), cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    """Llama / Qwen2 decoder. Parameter names are HuggingFace's, so checkpoints load by name."""
+    """The decoder of every family; HuggingFace's parameter names, so checkpoints load by name.
+    Under tensor parallelism every rank runs the same forward on its shard; rank 0 gets logits."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        self.config = cfg
-        self.model = Backbone(cfg)
+        shard.check(cfg)
+        self.config, self.shard = cfg, shard
+        self.vocab = shard.part(cfg.vocab_size)
+        self.model = Backbone(cfg, shard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, width(self.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
                 meta: AttnMetadata, logits_indices: Tensor) -> Tensor:
         """Runs the flat batch; returns fp32 logits of the rows in logits_indices only."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None]
         cos = torch.cat((freqs, freqs), -1).cos()[:, None].to(x.dtype)
         sin = torch.cat((freqs, freqs), -1).sin()[:, None].to(x.dtype)
@@ -203,15 +312,41 @@ class Transformer(nn.Module):
         head = self.model.embed_tokens.weight if tied else self.lm_head.weight
         # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny
         # shape ~1.5x faster
-        return (head @ x.T).T.float()
+        return self.gather((head @ x.T).T.float())
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int]:
+        """(layers, block_size, this rank's KV heads, head_dim): one KV block's shape here."""
+        attn = self.model.layers[0].self_attn
+        return self.config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its range, zeros elsewhere; summed."""
+        if self.shard.size == 1:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab.start
+        inside = (local >= 0) & (local < width(self.vocab))
+        x = self.model.embed_tokens(local.clamp(0, width(self.vocab) - 1)) * inside[:, None]
+        dist.all_reduce(x)
+        return x
+
+    def gather(self, logits: Tensor) -> Tensor:
+        """The whole vocabulary's logits on rank 0 (each rank sends its range, padded)."""
+        if self.shard.size == 1:
+            return logits
+        per = cdiv(self.config.vocab_size, self.shard.size)
+        own = F.pad(logits, (0, per - logits.shape[1]))
+        parts = None if self.shard.rank else [torch.empty_like(own) for _ in range(self.shard.size)]
+        dist.gather(own, parts, dst=0)
+        return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else own
 
 
 # ---------------------------------------------------------------- weights
 
 
-def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint folder: one model.safetensors, or the files its index lists."""
-    from safetensors.torch import load_file
+def load_safetensors(ckpt: Path, cfg: ModelConfig, shard: Shard) -> dict[str, Tensor]:
+    """This rank's part of every tensor of a checkpoint folder: one model.safetensors, or the
+    files its index lists; each slice is read on its own, never the whole tensor."""
+    from safetensors import safe_open
 
     index = ckpt / "model.safetensors.index.json"
     if index.exists():
@@ -222,7 +357,8 @@ def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
         raise FileNotFoundError(f"{ckpt} has neither model.safetensors nor {index.name}")
     state = {}
     for file in shards:
-        state.update(load_file(ckpt / file))
+        with safe_open(ckpt / file, "pt") as f:
+            state.update({name: shard.take(name, f.get_slice(name), cfg) for name in f.keys()})
     return state
 
 
@@ -248,7 +384,8 @@ GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
@@ -267,22 +404,22 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     return pairs.transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
-    """Config, dequantized fp32 weights in HuggingFace names, and tokenizer from one GGUF file."""
+def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
+    """Config, this rank's slices of the dequantized fp32 weights in HuggingFace names, and
+    tokenizer from one GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
-    if arch not in ARCHITECTURES.values():
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
-                         f"nanoflow runs {sorted(ARCHITECTURES.values())}")
+    _check_supported(arch, GGUF_ARCHITECTURES)
+    weights = {t.name: t for t in reader.tensors}  # dequantized one at a time, then sliced
+    rope_freqs = weights.pop("rope_freqs.weight", None)
     heads = meta[f"{arch}.attention.head_count"]
-    names = [t.name for t in reader.tensors]
     tok = Tokenizer.from_gguf(reader)
     cfg = ModelConfig(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=meta[f"{arch}.embedding_length"],
         intermediate_size=meta[f"{arch}.feed_forward_length"],
@@ -293,18 +430,20 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
                           meta[f"{arch}.embedding_length"] // heads),
         rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        rope_freq_factors=None if rope_freqs is None else rope_freqs.data.tolist(),  # float32
         max_position_embeddings=meta[f"{arch}.context_length"],
-        attention_bias=arch == "qwen2",
-        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_output.bias" in weights,
+        tie_word_embeddings="output.weight" not in weights,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         eos_token_ids=tok.eos_token_ids,
     )
     state = {}
-    for t in reader.tensors:
+    for name, t in weights.items():
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute_rope(w, heads if "attn_q" in t.name else cfg.num_key_value_heads)
-        state[_hf_name(t.name)] = w
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _unpermute_rope(w, heads if "attn_q" in name else cfg.num_key_value_heads)
+        state[_hf_name(name)] = shard.take(_hf_name(name), w, cfg)
     return cfg, state, tok
 
 
@@ -324,13 +463,13 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtyp
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
-               ) -> tuple[Transformer, Tokenizer]:
+def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None,
+               shard: Shard = Shard()) -> tuple[Transformer, Tokenizer]:
     """A ready model and tokenizer from a checkpoint folder or GGUF file."""
     ckpt = Path(ckpt)
     ckpt_dtype = None  # a GGUF's weights are quantized: no dtype to keep
     if ckpt.suffix == ".gguf":
-        cfg, state, tok = read_gguf(ckpt)
+        cfg, state, tok = read_gguf(ckpt, shard)
     else:
         if not (ckpt / "config.json").exists():
             raise FileNotFoundError(f"{ckpt} is neither a .gguf file nor a folder with config.json")
@@ -339,10 +478,10 @@ def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
         cfg = ModelConfig.from_hf(hf_config)
         tok = Tokenizer.from_folder(ckpt, cfg.eos_token_ids)
         cfg.eos_token_ids = tok.eos_token_ids
-        state = load_safetensors(ckpt)
+        state = load_safetensors(ckpt, cfg, shard)
     dtype = dtype or auto_dtype(device, ckpt_dtype)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, shard)
     model.to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     load_weights(model, state, dtype)

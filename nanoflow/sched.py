@@ -489,6 +489,7 @@ class TokenFlowConfig:
     interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s)
     mu: float = 2.0  # a buffer must cover mu switches (and an interval) to be preempted
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
+    overdraft: float = 0.05  # ...but all may join while they ask at most this much past all of it
     hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
     write_through_below: float = 0.2  # share of free device KV under which to write through
 
@@ -580,8 +581,7 @@ class TokenFlow(FCFS):
         if any(urgency[r][0] == 0 for r in s.waiting if r.started):
             return members  # a paused reader runs dry: the estimates were kind
         newcomers = [r for r in s.waiting if not r.started]
-        if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
-            capacity /= self.config.capacity_share  # the last few need not wait for the reserve
+        capacity = self.demand_limit(demand + sum(r.read_rate for r in newcomers), capacity)
         for r in newcomers:
             demand += r.read_rate
             prefill -= r.num_new_tokens
@@ -589,6 +589,13 @@ class TokenFlow(FCFS):
                 break
             members.append(r)
         return members
+
+    def demand_limit(self, demand: float, capacity: float) -> float:
+        """The readers' tokens/s the working set may take, given what all of them ask: everything
+        up to `overdraft` past the whole capacity (the reserve for switches included), then less,
+        continuously, down to `capacity` (no cliff where demand crosses an estimate)."""
+        edge = capacity / self.config.capacity_share * (1 + self.config.overdraft)
+        return edge if demand <= edge else max(capacity, edge - 2 * (demand - edge))
 
     def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
         """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""

@@ -11,6 +11,7 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import queue
 import re
 import select
@@ -29,9 +30,11 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from . import dist
 from .engine import LLM, Engine, EngineConfig
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
+from .reasoning import REASONING_PARSERS, split_reasoning
 from .sched import Request, SamplingParams
 
 log = logging.getLogger("nanoflow.serve")
@@ -41,7 +44,8 @@ MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt as token ids fits; a larger body
 DRAIN_LIMIT_BYTES = 64 << 20  # after our 413, what the client still sends is read and dropped...
 DRAIN_IDLE_S = 1.0  # ...while it keeps sending (a client that waits for our answer sends nothing)
 DEFAULT_MAX_WAITING = 256  # requests without a first token yet; more would only wait longer: 503
-RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before it retries
+START_BOUND_S = 2.0  # ...not counting those the engine will start within this (its prefill rate)
+RETRY_AFTER_S = 1  # the least an overloaded server asks a client to wait before it retries
 POLL_S = 0.05  # how often a waiting connection checks that its client is still there: ~one step
 CLIENT_TIMEOUT_S = 60.0  # a client silent this long (headers, body, an unread stream) is dropped
 SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for aborted streams to write their last chunk
@@ -60,9 +64,10 @@ UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_cho
 # every other field of a body: unknown, ignored with a warning (as vLLM does)
 KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens",
                 "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
-                *UNSUPPORTED}
+                "chat_template_kwargs", *UNSUPPORTED}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
+PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 
 
@@ -95,6 +100,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     completion_tokens: int = 0  # at the end
     error: HTTPError | None = None
+    reasoning: str = ""  # with --reasoning-parser: the thinking (`text` is then the answer)
 
 
 @dataclass
@@ -141,14 +147,29 @@ class EngineLoop(threading.Thread):
         with self.lock:
             if self.stopping:
                 raise HTTPError(503, "the server is shutting down")
-            if self.num_queued >= self.max_waiting:
+            stuck = self.num_stuck(len(prompt_ids))
+            if stuck >= self.max_waiting:
+                retry = self.retry_after(stuck - self.max_waiting + 1, params[0].max_tokens)
                 raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry "
-                                "shortly", "overloaded", {"Retry-After": str(RETRY_AFTER_S)})
+                                f"in {retry} s", "overloaded", {"Retry-After": str(retry)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
                 choice = Choice(deltas, i, tag)
                 self.inbox.put(functools.partial(self._add, request_id, prompt_ids, p, choice))
         return deltas
+
+    def num_stuck(self, prompt_tokens: int) -> int:
+        """Queued requests (of this one's prompt length) that the engine, at its measured prefill
+        rate, cannot start within START_BOUND_S: the others are as good as started."""
+        prefill_rate = self.engine.scheduler.rates.prefill_rate
+        return self.num_queued - int(START_BOUND_S * prefill_rate / max(1, prompt_tokens))
+
+    def retry_after(self, excess: int, max_tokens: int) -> int:
+        """Seconds until the engine, at its measured decode rate, has made the outputs of `excess`
+        requests like this one: by then as many have left the queue."""
+        s = self.engine.scheduler
+        batch = max(1, len(s.running))
+        return max(RETRY_AFTER_S, math.ceil(excess * max_tokens * s.rates.decode_time(batch) / batch))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
@@ -173,8 +194,7 @@ class EngineLoop(threading.Thread):
             self.snapshot = self.engine.stats()
             for req in stepped:
                 self._publish(self.choices[req.request_id])
-            if self.live.viewers:
-                self.live.observe(stepped)
+            self.live.observe(stepped)
 
     def _take_inbox(self, block: bool) -> bool:
         """Make the inbox's calls (waiting for one when idle); False once asked to stop."""
@@ -193,6 +213,7 @@ class EngineLoop(threading.Thread):
             call()
         if calls:
             self.snapshot = self.engine.stats()
+            self.live.observe([], fresh=True)  # viewers see new requests before a long step
         return True
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -310,8 +331,11 @@ def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
         return prompt_ids(body.get("prompt"), tokenizer)
     if not tokenizer.chat_template:
         raise HTTPError(400, "this model has no chat template; use /v1/completions with a prompt")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise HTTPError(400, "`chat_template_kwargs` must be an object")
     try:
-        return tokenizer.apply_chat_template(chat_messages(body))
+        return tokenizer.apply_chat_template(chat_messages(body), **kwargs)
     except (ValueError, TemplateError) as e:
         raise HTTPError(400, f"cannot apply the chat template: {e}") from None
 
@@ -368,6 +392,7 @@ class Reply:
     num_prompt: int
     logprobs: bool  # asked for: each choice has a (maybe empty) list
     include_usage: bool = False
+    reasoning: bool = False  # a reasoning parser splits the text: reasoning_content apart
     created: int = field(default_factory=lambda: int(time.time()))
     text_sent: Counter = field(default_factory=Counter)  # per choice: characters with logprobs sent
 
@@ -390,6 +415,8 @@ class Reply:
 
     def chunk(self, delta: ChoiceDelta, role: bool = False) -> dict:
         text = {"content": delta.text} if delta.text else {}
+        if delta.reasoning:
+            text["reasoning_content"] = delta.reasoning
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
@@ -411,6 +438,9 @@ class Reply:
             text = "".join(e.text for e in mine)
             tokens = [t for e in mine for t in e.logprobs] if self.logprobs else None
             message = {"role": "assistant", "content": text}
+            if self.reasoning:  # as vLLM: null where there is none
+                reasoning = "".join(e.reasoning for e in mine)
+                message.update(content=text or None, reasoning_content=reasoning or None)
             content = {"message": message} if self.chat else {"text": text}
             out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
         return self._object(out, whole=True, usage=self._usage(deltas))
@@ -543,7 +573,7 @@ class Handler(BaseHTTPRequestHandler):
             # on the engine thread, which this wakes: an idle one then publishes snapshots too
             self.server.loop.inbox.put(self.server.live.restart)
             with suppress(OSError):  # the viewer left
-                while snapshot := self.server.live.next(version, CLIENT_TIMEOUT_S):
+                while snapshot := self.server.live.next(version):
                     version = snapshot["version"]
                     self._sse(snapshot)
 
@@ -593,16 +623,21 @@ class Handler(BaseHTTPRequestHandler):
         include_usage = stream and flag(options, "include_usage")
         params = sampling_params(body, ids, server.engine, server.defaults, chat)
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
+        reasoning = server.reasoning_parser if chat else None
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                       server.engine.tokenizer, len(ids), params[0].logprobs is not None,
-                      include_usage)
+                      include_usage, bool(reasoning))
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
-            deltas = server.loop.submit(request_ids, ids, params, self.request_id)
+            queued = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
                 answer = self._stream if stream else self._answer
-                answer(reply, self._deltas(deltas, n, keepalive=stream), n)
+                deltas = self._deltas(queued, n, keepalive=stream)
+                if reasoning:  # the prompt's end may open the thinking
+                    tail = server.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
+                    deltas = split_reasoning(deltas, reasoning, tail)
+                answer(reply, deltas, n)
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
@@ -624,7 +659,7 @@ class Handler(BaseHTTPRequestHandler):
             if delta.error:
                 self._sse(delta.error.body())
                 break
-            if delta.text or delta.logprobs:
+            if delta.text or delta.reasoning or delta.logprobs:
                 self._sse(reply.chunk(replace(delta, finish_reason=None)))
             # the finish in a chunk of its own, as OpenAI sends it
             if delta.finish_reason:
@@ -751,8 +786,12 @@ class Server(ThreadingHTTPServer):
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *,
                  model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
-                 generation_config: dict | None = None):
+                 generation_config: dict | None = None, reasoning_parser: str | None = None):
+        if reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
+                             f"{', '.join(REASONING_PARSERS)}")
         super().__init__((host, port), Handler)
+        self.reasoning_parser = reasoning_parser
         self.model_names = [model] if isinstance(model, str) else list(model)
         self.api_key = api_key
         self.max_waiting = max_waiting
@@ -851,11 +890,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     EngineConfig.add_flags(p)
     arg("--override-generation-config", type=json_object, default={}, metavar="JSON",
         help="""sampling defaults over generation_config.json's, e.g. '{"temperature": 0.7}'""")
+    arg("--reasoning-parser", choices=list(REASONING_PARSERS), help="return a thinking model's "
+        "<think>...</think> apart, as reasoning_content (default: off, all in content)")
     arg("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
         "may call the API (CORS), e.g. http://localhost:3000, or *")
     arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
-        "token beyond which new ones get 503 (default: %(default)s)")
+        f"token, beyond those the engine starts within {START_BOUND_S:g} s, past which new ones get "
+        "503 with a Retry-After from the measured rates (default: %(default)s)")
     arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
         "in-flight requests may take to finish (default: %(default)s)")
     arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -864,12 +906,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if dist.torchrun_rank():  # another rank of `torchrun`: LLM() runs rank 0's steps, then exits
+        LLM(args.ckpt, **EngineConfig.flag_values(args))
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
     names = args.served_model_name or [model_id(args.ckpt)]
     server = make_server(None, args.host, args.port, model=names, api_key=args.api_key,
                          max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
-                         generation_config=args.override_generation_config).start()
+                         generation_config=args.override_generation_config,
+                         reasoning_parser=args.reasoning_parser).start()
     print(f"nanoflow: loading {names[0]} at {server.url}/v1", flush=True)
     llm = LLM(args.ckpt, **EngineConfig.flag_values(args))
     if args.chat_template:
@@ -884,6 +929,7 @@ def main(argv: list[str] | None = None) -> None:
              args.shutdown_timeout)
     finished, cut = server.shutdown(args.shutdown_timeout)
     log.info("shut down: %d requests finished, %d cut", finished, cut)
+    dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ class Tokenizer:
         types = field("tokenizer.ggml.token_type")
         control = [tokens[i] for i, kind in enumerate(types) if kind == 3]  # 3 = control token
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        # 4 = user-defined: matched whole and decoded as text (Qwen3's <think>, </think>)
+        user = [tokens[i] for i, kind in enumerate(types) if kind == 4]
+        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
         eos += [tk.token_to_id(t) for t in END_OF_TURN if t in control]
         bos_id = field("tokenizer.ggml.bos_token_id")
@@ -102,12 +105,13 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is."""
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+        """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is; kwargs
+        are more template variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; "
                              "use generate() with a plain prompt")
-        text = _render_template(self.chat_template, messages, self.bos_token or "")
+        text = _render_template(self.chat_template, messages, self.bos_token or "", kwargs)
         return self.tk.encode(text, add_special_tokens=False).ids
 
 
@@ -115,7 +119,7 @@ def _token_text(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
-def _render_template(template: str, messages: list[dict], bos_token: str) -> str:
+def _render_template(template: str, messages: list[dict], bos_token: str, kwargs: dict) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -123,8 +127,8 @@ def _render_template(template: str, messages: list[dict], bos_token: str) -> str
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, bos_token=bos_token,
-                                            add_generation_prompt=True)
+    return env.from_string(template).render({**kwargs, "messages": messages,
+                                             "bos_token": bos_token, "add_generation_prompt": True})
 
 
 class IncrementalDetokenizer:

@@ -120,8 +120,8 @@ MUTANTS = [
       "xf = xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)",
       "logits_match_transformers"),
     M("mlp-gate-up-swapped", "nanoflow/model.py",
-      "return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))",
-      "return self.down_proj(F.silu(self.up_proj(x)) * self.gate_proj(x))",
+      "F.silu(self.gate_proj(x)) * self.up_proj(x), self.shard)",
+      "F.silu(self.up_proj(x)) * self.gate_proj(x), self.shard)",
       "logits_match_transformers"),
     M("rope-rotated-the-other-way", "nanoflow/model.py", "rotated = torch.cat((-x2, x1), dim=-1)",
       "rotated = torch.cat((x2, -x1), dim=-1)", "logits_match_transformers"),
@@ -203,7 +203,7 @@ MUTANTS = [
       "if req.status == RequestStatus.RUNNING and req.num_new_tokens >= 1:",
       "live_states_by_hand"),
     M("sim-link-never-queues", "nanoflow/sim.py",
-      "start = max(self.link_free_at, self.clock())", "start = self.clock()",
+      "start = max(self.free_at[direction], self.clock())", "start = self.clock()",
       "resumed_request_joins or simulated_eviction"),
 ]
 

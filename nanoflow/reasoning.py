@@ -1,0 +1,71 @@
+"""A thinking model's reasoning, apart from its answer: the server's `--reasoning-parser qwen3`.
+
+Qwen3 thinks first, between <think> and </think>, then answers. The engine generates, stops and
+counts tokens over the whole text as for any model (a stop string inside the thinking stops it,
+max_tokens counts both); only the chat answer is split: the thinking goes to `reasoning_content`
+(the field vLLM and SGLang use and chat UIs read), the rest to `content`, streamed or not. The
+parser reads text, not token ids, so a marker may arrive in one token (Qwen3) or in several: what
+may be the start of a marker is held back until the next piece shows what it is.
+"""
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+REASONING_PARSERS = {"qwen3": ("<think>", "</think>")}  # --reasoning-parser: its markers
+
+
+class ReasoningParser:
+    """Splits one choice's text, fed piece by piece, into its reasoning and its content.
+
+    The output thinks from its start if it opens with the start marker, or if the prompt ended
+    with it (templates that open the think block themselves); the thinking ends at the end marker.
+    An output that starts with anything else is all answer; one cut inside its thinking (by
+    max_tokens or a stop string) is all reasoning."""
+
+    def __init__(self, name: str, prompt_tail: str):
+        self.start, self.end = REASONING_PARSERS[name]
+        self.state = "reasoning" if prompt_tail.rstrip().endswith(self.start) else "start"
+        self.held = ""  # text that may be the beginning of a marker
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) that this new text adds."""
+        text, self.held = self.held + text, ""
+        if self.state == "start":
+            if len(text) < len(self.start) and self.start.startswith(text):  # can't tell yet
+                self.held = text
+                return "", ""
+            opens = text.startswith(self.start)
+            self.state = "reasoning" if opens else "content"
+            text = text[len(self.start):] if opens else text
+        if self.state == "content":
+            return "", text
+        reasoning, closed, content = text.partition(self.end)
+        if closed:
+            self.state = "content"
+            return reasoning, content
+        keep = _marker_start_at_end(reasoning, self.end)
+        self.held = reasoning[len(reasoning) - keep:]
+        return reasoning[:len(reasoning) - keep], ""
+
+    def flush(self) -> tuple[str, str]:
+        """At the end: held text was not a marker after all; it stays where it was."""
+        held, self.held = self.held, ""
+        return (held, "") if self.state == "reasoning" else ("", held)
+
+
+def _marker_start_at_end(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (all of it excepted)."""
+    return next((n for n in range(min(len(text), len(marker) - 1), 0, -1)
+                 if text.endswith(marker[:n])), 0)
+
+
+def split_reasoning(deltas: Iterator, name: str, prompt_tail: str) -> Iterator:
+    """The server's ChoiceDeltas with each choice's text split into `reasoning` and `text`."""
+    parsers: dict[int, ReasoningParser] = {}
+    for delta in deltas:
+        parser = parsers.setdefault(delta.index, ReasoningParser(name, prompt_tail))
+        reasoning, content = parser.feed(delta.text)
+        if delta.finish_reason:
+            rest = parser.flush()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        yield replace(delta, text=content, reasoning=reasoning)

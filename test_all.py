@@ -2050,7 +2050,7 @@ def test_summarize_every_key_by_hand():
         "rebuffer_mean": pytest.approx((0.25 + 1.0 + 0) / 2), "rebuffer_p99": pytest.approx(0.99 * 1.25),
         "qoe_mean": pytest.approx((1 - 0.95 / (1.0 + 1.5 + 1.75 + 3.0) + 1.0) / 2), "qoe_good_share": 0.5,
         "effective_throughput": pytest.approx((4 + 1 + 1 + 0.75) / 4.0), "throughput": pytest.approx(12 / 4.0),
-        "makespan": 4.0, "requests": 3, "completed": 2}
+        "makespan": 4.0, "requests": 3, "completed": 2, "ttft_slo_share": pytest.approx(2 / 3)}  # the third: no token
 
 
 def test_scheduler_reader_agrees_with_the_metrics():
@@ -3937,3 +3937,18 @@ def test_live_states_by_hand():
     assert live.request_state(req) == live.PAUSED[1]
     req.status = RequestStatus.FINISHED
     assert live.request_state(req) == "finished"
+
+
+def test_simulated_copies_in_one_direction_queue_behind_each_other():
+    """Two evictions of 10 blocks (0.16 s each on the toy's 1 MB/s link): the second starts when the
+    first is done, so its blocks come back at 0.32 s, not 0.16."""
+    engine = sim_engine(toy_cost(), LoadWhenFaster())
+    s = engine.scheduler
+    a, b = running_request(engine, 160, 100), running_request(engine, 160, 100)
+    free = s.kv.num_free
+    s.preempt(a)
+    s.preempt(b)
+    for t, freed in [(0.159, 0), (0.161, 10), (0.319, 10), (0.321, 20)]:
+        engine.clock.advance_to(t)
+        s.swapper.poll()
+        assert s.kv.num_free == free + freed, t

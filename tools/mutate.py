@@ -204,7 +204,7 @@ MUTANTS = [
       "live_states_by_hand"),
     M("sim-link-never-queues", "nanoflow/sim.py",
       "start = max(self.free_at[direction], self.clock())", "start = self.clock()",
-      "resumed_request_joins or simulated_eviction"),
+      "simulated_eviction or one_direction_queue"),
 ]
 
 

@@ -159,13 +159,14 @@ def test_continuous_batching_matches_one_by_one(tiny):
 def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
     """Decode-only steps through the static buffers that CUDA graphs replay (run eagerly here):
     batches of 7 down to 1 padded to 7, 4, 2, as requests finish and new ones join with fresh block
-    tables, give exactly the tokens of the eager engine."""
+    tables, give exactly the tokens of the eager engine. FCFS: no decision reads the wall clock, so
+    the batches are the same in every run, however loaded the machine."""
     path, _ = tiny
     prompts = random_prompts(12, TINY["vocab_size"], seed=5, lengths=(1, 60))
     params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
               for i in range(12)]
-    eager = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
-    padded = LLM(path, device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64)
+    options = dict(device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64, policy="fcfs")
+    eager, padded = LLM(path, **options), LLM(path, **options)
     graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
     assert graphs.sizes == [1, 2, 4, 7]
     batches = []
@@ -1832,7 +1833,9 @@ def test_health_while_loading_and_draining(ckpt, monkeypatch):
     short, long = [open_stream(srv, "/v1/completions", dict(prompt="hello", max_tokens=n,
                                                             ignore_eos=True))[1] for n in (5, 400)]
     result = []
-    drain = threading.Thread(target=lambda: result.append(srv.shutdown(timeout=1.0)))
+    # 3 s: the short one's 5 steps finish in time on a loaded machine; the long one's 400 steps of
+    # >= 20 ms cannot
+    drain = threading.Thread(target=lambda: result.append(srv.shutdown(timeout=3.0)))
     drain.start()
     wait_for(lambda: srv.state == "draining", timeout=1.0)
     status, _, err = call(srv, "GET", "/health")
@@ -3859,3 +3862,388 @@ def test_a_tool_loop_continues(demo_server, monkeypatch):
     assert "You may call these tools" in prompt and '"name": "get_time"' in prompt  # the tools, as HF passes them
     assert '"arguments": {"city": "Paris"' in prompt and f"[{call_id}]" in prompt
     assert got[-1][1].json_schema is None  # "auto": the model decides, unconstrained
+# ------------------------------------------------ issue 25: tests that catch policy mistakes and the newest paths
+# Small scenes whose expected decisions are derived by hand in a comment; the newest paths (host-tier
+# prefix loads, demotion, `n`, logprobs, keep-alive) beyond their happy path. tools/mutate.py plants
+# one-line bugs and reports which of these (and the older tests) catch them.
+
+import queue  # noqa: E402
+
+from nanoflow.kv import build_metadata  # noqa: E402
+
+
+def fcfs_admission(queue: list[tuple[int, int]], running: list[tuple[int, int]] = (), max_num_seqs: int = 256):
+    """FCFS's admission on a 10-block pool (160 slots of 16) at its first ratio, 0.7: running and
+    queued requests given as (prompt_len, max_tokens); returns the queued ones that started."""
+    engine = sim_engine(toy_cost(num_kv_blocks=10, max_num_seqs=max_num_seqs), "fcfs")
+    s = engine.scheduler
+    for prompt_len, max_tokens in running:
+        running_request(engine, prompt_len, max_tokens)
+    queued = [engine.add_request([1] * p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in queue]
+    s.policy.admit(s, {}, 10**6, engine.clock())
+    return [queued.index(r) for r in s.running if r in queued]
+
+
+def test_fcfs_admission_keeps_the_reserve_of_everyone_admitted():
+    """A request's need: the blocks to hold its prompt and next token, plus int(0.7 x max_tokens).
+    W1 (32, 10): 3 blocks (48) + 7 = 55 <= 160: starts; it takes its prompt's 2 blocks (128 slots
+    left) and reserves its next token's block (16) + 7 = 23. W2 (64, 30): 5 blocks (80) + 21 = 101
+    <= 128 - 23: starts (counting W1's held blocks again would leave 73); 64 slots left, 23 + 37
+    reserved. W3 (1, 1): 16 + 0 > 64 - 60: waits, though the 64 free slots would hold it."""
+    assert fcfs_admission([(32, 10), (64, 30), (1, 1)]) == [0, 1]
+
+
+def test_fcfs_admission_reserves_for_the_running_and_a_misfit_holds_the_queue():
+    """A running R (31, 100) holds 2 blocks and keeps 0 more blocks + 70 slots: 128 - 70 = 58 for
+    newcomers. W1 (20, 36) needs 2 blocks (32) + 25 = 57: starts; W1 (20, 40) needs 60: waits, and
+    W2 (1, 1) behind it, who would fit, waits too (first come, first served). Alone, W1 (20, 40)
+    starts; W1 (150, 10) needs 10 blocks (160) + 7 > 160 free: it waits, and W2 too. With
+    max_num_seqs 2 and R running, one seat: W1 (20, 36) starts, W2 does not."""
+    assert fcfs_admission([(20, 36)], running=[(31, 100)]) == [0]
+    assert fcfs_admission([(20, 40), (1, 1)], running=[(31, 100)]) == []
+    assert fcfs_admission([(20, 40), (1, 1)]) == [0, 1]
+    assert fcfs_admission([(150, 10), (1, 1)]) == []
+    assert fcfs_admission([(20, 36), (1, 1)], running=[(31, 1)], max_num_seqs=2) == [0]
+
+
+def test_fcfs_victims_and_retraction_ratio_by_hand():
+    def req(prompt_len: int, max_tokens: int, outputs: int) -> Request:
+        r = Request([1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+        for _ in range(outputs):
+            r.append(0, 0.0)
+        return r
+
+    fcfs = FCFS()
+    a, b, c = req(10, 100, 5), req(10, 50, 2), req(40, 50, 2)
+    s = types.SimpleNamespace(running=[a, b, c])
+    # SGLang's order: the least output first (b, c: 2 tokens), then the longest prompt (c)
+    assert fcfs.victim(s, 0.0) is c
+    s.running.remove(c)
+    assert fcfs.victim(s, 0.0) is b
+    # a retraction: the survivors keep what they decoded plus 20 steps each, over what they may ask:
+    # a and b decoded 5 + 2, may ask 100 + 50: (7 + 2 x 20) / 150
+    fcfs.retracted(s)
+    assert fcfs.new_token_ratio == pytest.approx(47 / 150)
+    fcfs.retracted(types.SimpleNamespace(running=[req(10, 30, 0)]))  # 20 / 30
+    assert fcfs.new_token_ratio == pytest.approx(2 / 3)
+    fcfs.retracted(types.SimpleNamespace(running=[req(10, 10, 1)]))  # 21 / 10: at most 1
+    assert fcfs.new_token_ratio == 1.0
+    fcfs.retracted(types.SimpleNamespace(running=[]))  # nobody left: unchanged
+    assert fcfs.new_token_ratio == 1.0
+    # each step decays it by (0.7 - 0.1) / 600 down to 0.1
+    fcfs.after_step(None)
+    assert fcfs.new_token_ratio == pytest.approx(1.0 - 0.001)
+    fcfs.new_token_ratio = 0.1005
+    fcfs.after_step(None)
+    assert fcfs.new_token_ratio == 0.1
+
+
+def test_a_running_reader_keeps_its_decode_tokens_during_a_long_prefill():
+    """Decodes first: with a 16-token budget, a prompt of 400 tokens admitted before a decoding
+    reader takes 15 tokens a step, the reader 1, so the reader gets a token every step."""
+    engine = sim_engine(toy_cost(max_num_batched_tokens=16), "fcfs")
+    s = engine.scheduler
+    reader = running_request(engine, 20, 100)
+    reader.append(0, 0.0)  # its first token: it decodes now
+    long = engine.add_request([1] * 400, SamplingParams(max_tokens=10, ignore_eos=True))
+    s.waiting.remove(long)
+    s.running.insert(0, long)  # admitted first
+    long.status = RequestStatus.RUNNING
+    assert s.schedule() == [(reader, 1), (long, 15)]
+    s.kv.free(long.block_table)
+    s.kv.free(reader.block_table)  # nothing ran: let the engine schedule again from scratch
+    for _ in range(16):
+        engine.step()
+    assert reader.num_output_tokens == 1 + 16 and long.num_computed_tokens == 16 * 15
+
+
+class LoadWhenFaster(FCFS):
+    """FCFS that evicts to host and resumes by load when the scheduler says a load beats recompute."""
+
+    evicts_to_host = True
+
+    def resume_by_load(self, s, req) -> bool:
+        return s.load_beats_recompute(req.num_host_tokens)
+
+
+@pytest.mark.parametrize("prefill_rate,backlog,by_load", [(500.0, 0.0, True), (1000.0, 0.0, True),
+                                                          (2000.0, 0.0, False), (1000.0, 0.001, False)])
+def test_load_or_recompute_by_hand(prefill_rate, backlog, by_load):
+    """A paused request with 64 tokens (4 blocks of 16 KB) on host: loading takes 4 x 0.016 s =
+    0.064 s behind the queued loads; recomputing 64 / prefill_rate s. A tie loads."""
+    engine = sim_engine(toy_cost(), LoadWhenFaster())
+    s = engine.scheduler
+    s.rates.prefill_rate = prefill_rate
+    s.swapper.free_at["back"] = backlog  # loads queued ahead of this one
+    req = paused_reader(engine, 63, host_tokens=64)
+    assert s.resumes_by_load(req) == by_load
+    # loading needs the 4 blocks of its KV and one for its next token; recomputing, one to start
+    assert s.blocks_to_start(req) == (5 if by_load else 1)
+    s.start(req, {}, 10**6, engine.clock())
+    assert s.counters["resumes_load" if by_load else "resumes_recompute"] == 1
+    assert req.num_computed_tokens == (64 if by_load else 0)
+    assert (req.load_event is not None) == by_load and (req.num_host_tokens == 64) == by_load
+
+
+def prompt_kv(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The KV of every prompt position, from one uncached prefill: [layers, K/V, len, heads, dim]."""
+    eng = llm.engine
+    table: list[int] = []
+    assert eng.kv.grow(table, len(prompt))
+    meta, positions = build_metadata([table], [0], [len(prompt)], 0, eng.kv.block_size, eng.device)
+    eng.model(torch.tensor(prompt), positions, eng.kv_caches, meta, torch.tensor([len(prompt) - 1]))
+    kv = eng.kv.kv_cache[table].clone()  # [blocks, layers, K/V, block_size, heads, dim]
+    eng.kv.free(table)
+    return kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :len(prompt)]
+
+
+def test_a_prefix_found_on_the_device_then_on_host_lands_in_the_right_blocks(ckpt):
+    """A 5-block prompt computed once; the device keeps its first 2 blocks and demotes the other 3 to
+    host. A second prompt that extends it shares the 2 device blocks and loads the 3 others into new
+    blocks: the KV of every block, shared, loaded and computed, is a fresh prefill's, and the shared
+    blocks were not written."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=12, host_kv_gb=0.01, policy="fcfs")
+    engine, kv = llm.engine, llm.engine.kv
+    s = engine.scheduler
+    first = random_prompts(1, TINY["vocab_size"], seed=40, lengths=(80, 80))[0]
+    llm.generate(first, SamplingParams(temperature=0, max_tokens=1))
+    assert len(kv.cached) == 5 and kv.num_free == 12
+    # freed tail first: the least recently used are blocks 5, 4, 3; 7 free blocks and those 3 go
+    taken: list[int] = []
+    assert kv.grow(taken, 10 * 16)
+    s.swapper.demote()  # as schedule() does before any step could overwrite them
+    kv.kv_cache[taken] = 7.0  # what the next owner wrote: stale KV must not pass for loaded KV
+    kv.free(taken)
+    hashes = s.hashes(types.SimpleNamespace(block_hashes=[], token_ids=first), 5)
+    assert set(kv.cached) == set(hashes[:2]) and set(s.swapper.host.cached) == set(hashes[2:])
+    shared = [kv.cached[h] for h in hashes[:2]]
+    shared_kv = kv.kv_cache[shared].clone()
+    s.rates.prefill_rate = 1.0  # loading beats recomputing
+    second = first + random_prompts(1, TINY["vocab_size"], seed=41, lengths=(20, 20))[0]
+    req = engine.add_request(second, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the hits, then the 20 new tokens computed
+    stats = llm.stats()
+    assert (stats["prefix_hit_tokens"], stats["prefix_host_hit_tokens"]) == (32, 48)
+    assert req.block_table[:2] == shared and torch.equal(kv.kv_cache[shared], shared_kv)
+    ref = LLM(ckpt, device="cpu", num_kv_blocks=16, enable_prefix_caching=False)
+    expected = prompt_kv(ref, second)
+    got = kv.kv_cache[req.block_table].permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :len(second)]
+    for block in range(len(second) // 16 + 1):
+        span = slice(16 * block, min(16 * (block + 1), len(second)))
+        assert torch.allclose(got[:, :, span], expected[:, :, span], atol=1e-4), block
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == ref.generate(second, req.params)[0].token_ids
+
+
+def test_demotion_keeps_the_most_recently_used_blocks_under_a_full_host_pool():
+    """Device 4 blocks, host 6. Three requests of 4 blocks each, computed and freed in turn; a freed
+    table goes tail first, so the device drops hashes 4, 3, 2, 1, then 8, 7, 6, 5 in that order,
+    least recently used first. Host takes 1-4 (its LRU order 4, 3, 2, 1, as on the device), then
+    8, 7 in its 2 free blocks, and 6, 5 in the place of its least recently used 4 and 3."""
+    shape = (1, 4, 1, 8, torch.float32, torch.device("cpu"))
+    device, host = KVPool(4, *shape), KVPool(6, *shape, host=True)
+    swapper = Swapper(device, host)
+    for hashes in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
+        table: list[int] = []
+        assert device.grow(table, 16)  # blocks of 4 tokens
+        swapper.demote()
+        device.kv_cache[table] = torch.tensor(hashes, dtype=torch.float32).view(4, 1, 1, 1, 1, 1)
+        device.cache_blocks(table, hashes)
+        device.free(table)
+    assert swapper.counters["blocks_demoted"] == 8
+    assert host.cached.keys() == {1, 2, 5, 6, 7, 8}
+    assert all((host.kv_cache[b] == h).all() for h, b in host.cached.items())  # each its own KV
+    assert list(host.evictable) == [host.cached[h] for h in (2, 1, 8, 7, 6, 5)]  # who goes next
+
+
+def test_n_choices_report_each_their_own_finish_reason(server):
+    """Choice 0 stops at a stop string early; choice 1 never meets it and ends by length, last: the
+    whole answer gives each choice its own reason, and so does the stream."""
+    body = dict(prompt="once upon a time", max_tokens=8, seed=5, ignore_eos=True, n=2)
+    texts = [c["text"] for c in call(server, "POST", "/v1/completions", body)[2]["choices"]]
+    stop = next(texts[0][k:k + 2] for k in range(len(texts[0]) - 1)
+                if texts[0][k:k + 2].strip() and texts[0][k:k + 2] not in texts[1])
+    whole = call(server, "POST", "/v1/completions", {**body, "stop": [stop]})[2]
+    assert [c["finish_reason"] for c in whole["choices"]] == ["stop", "length"]
+    assert [c["text"] for c in whole["choices"]] == [texts[0][:texts[0].index(stop)], texts[1]]
+    _, resp = open_stream(server, "/v1/completions", {**body, "stop": [stop]})
+    reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for _, c in sse(resp)
+               if c != "[DONE]" and c["choices"][0]["finish_reason"]}
+    assert reasons == {0: "stop", 1: "length"}
+
+
+def test_requests_asking_for_different_numbers_of_logprobs_in_one_step(ckpt):
+    """The same prompt three times in the same steps, asking for 1, 4 and no alternatives: each gets
+    what it asked for, and the one alternative is the first of the four."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=32)
+    prompt = random_prompts(1, TINY["vocab_size"], seed=42, lengths=(10, 10))[0]
+    engine = llm.engine
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=k))
+            for k in (1, 4, None)]
+    steps = 0
+    while engine.has_unfinished():
+        assert len(engine.step()) == 3  # all three in every step
+        steps += 1
+    one, four, none = (r.logprobs for r in reqs)
+    assert steps == 3 and none == [] and len(one) == len(four) == 3
+    assert [len(top) for _, top in one] == [1] * 3 and [len(top) for _, top in four] == [4] * 3
+    for (chosen1, top1), (chosen4, top4) in zip(one, four):
+        assert chosen1 == chosen4 and top1 == top4[:1]
+        assert [v for _, v in top4] == sorted((v for _, v in top4), reverse=True)
+
+
+def test_keepalive_comments_are_spaced_by_the_interval_on_a_fake_clock(monkeypatch):
+    """A stream's delta queue polled every 1/8 s of a fake clock: with KEEPALIVE_S = 5 a comment goes
+    out once 5 s passed in silence (at 5.125 s), then 5.125 s after the last comment or delta."""
+    now = [0.0]
+    monkeypatch.setattr(serve, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    monkeypatch.setattr(serve, "KEEPALIVE_S", 5.0)
+    script = {11.0: serve.ChoiceDelta(0, "a"), 20.0: serve.ChoiceDelta(0, "b", finish_reason="length")}
+
+    class Deltas:
+        def get(self, timeout):
+            now[0] += 0.125
+            if now[0] in script:
+                return script[now[0]]
+            raise queue.Empty
+
+    comments = []
+    wfile = types.SimpleNamespace(write=lambda data: comments.append((now[0], data)))
+    ours, theirs = socket.socketpair()
+    try:
+        handler = types.SimpleNamespace(connection=ours, wfile=wfile)
+        got = list(serve.Handler._deltas(handler, Deltas(), 1, keepalive=True))
+    finally:
+        ours.close()
+        theirs.close()
+    assert [d.text for d in got] == ["a", "b"]
+    assert comments == [(t, b": keep-alive\n\n") for t in (5.125, 10.25, 16.125)]
+
+
+def test_qoe_counts_from_arrival_and_a_late_reader_by_hand():
+    """Readers at 4 tok/s (0.25 s a token), QoE's ideal reads at arrival + 1.3 + 0.25 i; every time
+    is a sum of multiples of 1/20, so each number below is exact up to rounding.
+    late: arrives at 10, first token at 12: reads 12, 12.25, 13 against 11.3, 11.55, 11.8: late
+      0.7 + 0.7 + 1.2 = 2.6 out of 2 + 2.25 + 3 = 7.25 s since arrival; stalls 13 - 12.5 = 0.5.
+    early: arrives at 1, three tokens at 1.5, the fourth at 4: reads 1.5, 1.75, 2, 4 against 2.3, 2.55,
+      2.8, 3.05: late 0.95 of 0.5 + 0.75 + 1 + 3 = 5.25; stalls 4 - 2.25 = 1.75. Its third token finds
+      one unread (buffer 1 > 0.2 x 4): weight 0.
+    steady: arrives at 5, tokens at 5.5, 5.75, 6, each read as made: on time, QoE 1, no stall."""
+    late = RequestRecord(10.0, [12.0, 12.0, 13.0], 4.0)
+    early = RequestRecord(1.0, [1.5, 1.5, 1.5, 4.0], 4.0)
+    steady = RequestRecord(5.0, [5.5, 5.75, 6.0], 4.0)
+    assert qoe(late.arrival, late.token_times, 4.0) == pytest.approx(1 - 2.6 / 7.25)
+    assert qoe(early.arrival, early.token_times, 4.0) == pytest.approx(1 - 0.95 / 5.25)
+    assert qoe(steady.arrival, steady.token_times, 4.0) == 1.0
+    assert qoe(10.0, [12.0, 12.0, 13.0], 4.0, ttft_target=2.0) == pytest.approx(1 - 0.5 / 7.25)  # ideal 12, 12.25, 12.5
+    assert effective_weights(early.token_times, 4.0) == [1.0, 1.0, 0.0, 1.0]
+    s = summarize([late, early, steady], makespan=5.0)
+    # ttfts 2, 0.5, 0.5; tbts 0, 1 | 0, 0, 2.5 | 0.25, 0.25: sorted, p99 at 0.99 x 6 = 5.94 of 7 values
+    assert s == {
+        "ttft_mean": pytest.approx(1.0), "ttft_p50": pytest.approx(0.5), "ttft_p99": pytest.approx(0.5 + 0.98 * 1.5),
+        "tbt_p99": pytest.approx(1.0 + 0.94 * 1.5), "rebuffer_mean": pytest.approx((0.5 + 1.75) / 3),
+        "rebuffer_p99": pytest.approx(0.5 + 0.98 * 1.25),
+        "qoe_mean": pytest.approx((1 - 2.6 / 7.25 + 1 - 0.95 / 5.25 + 1) / 3), "qoe_good_share": pytest.approx(1 / 3),
+        "effective_throughput": pytest.approx(9 / 5.0), "throughput": pytest.approx(10 / 5.0),
+        "makespan": 5.0, "requests": 3, "completed": 3, "ttft_slo_share": 1.0}  # 2 s is within the 2 s SLO
+
+
+def test_a_host_copy_that_becomes_the_only_copy_moves_behind_older_host_blocks():
+    """Device 2 blocks, host 4. Hashes 9, 10 are demoted to host. Hashes 1, 2 are computed and written
+    through: while the device holds them, host's copies are the first to go (host LRU: 1, 2, 10, 9).
+    Then the device drops 1 and 2: host's copies are the only ones now, used later than 9 and 10, so
+    they move behind them (10, 9, 2, 1): host's next two blocks are taken from 10 and 9."""
+    shape = (1, 4, 1, 8, torch.float32, torch.device("cpu"))
+    device, host = KVPool(2, *shape), KVPool(4, *shape, host=True)
+    swapper = Swapper(device, host)
+    for hashes in ([9, 10], [1, 2], [5, 6]):
+        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=hashes,
+                                    num_host_tokens=0, num_computed_tokens=8)
+        assert device.grow(req.block_table, 8)  # blocks of 4 tokens
+        swapper.demote()
+        device.cache_blocks(req.block_table, hashes)
+        if hashes == [1, 2]:
+            swapper.write_through([req], max_blocks=2)
+        swapper.release(req)
+    assert list(host.evictable) == [host.cached[h] for h in (10, 9, 2, 1)]
+    taken: list[int] = []
+    assert host.grow(taken, 8) and host.cached.keys() == {1, 2}
+
+
+def test_recompute_after_preemption_without_prefix_caching(ckpt):
+    """Without prefix caching nothing else resets a recomputed request's progress: preemption must."""
+    prompts = random_prompts(4, TINY["vocab_size"], seed=43, lengths=(20, 50))
+    expected = [o.token_ids for o in LLM(ckpt, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+              policy=Forced(3, "recompute"), enable_prefix_caching=False)
+    tokens, points = run_checked(llm, prompts, GREEDY)
+    assert tokens == expected and points and llm.stats()["resumes_recompute"] >= len(points)
+
+
+def test_a_freed_table_leaves_the_device_cache_tail_first():
+    """A prompt's head is what later prompts share: of a freed 3-block table, the tail goes first."""
+    pool = KVPool(3, 1, 4, 1, 8, torch.float32, torch.device("cpu"))
+    table: list[int] = []
+    assert pool.grow(table, 12)
+    pool.cache_blocks(table, [1, 2, 3])
+    pool.free(table)
+    taken: list[int] = []
+    assert pool.grow(taken, 4) and pool.cached.keys() == {1, 2}
+    assert pool.grow(taken, 8) and pool.cached.keys() == {1}
+
+
+def test_a_request_started_with_less_room_than_its_prompt_computes_what_fits():
+    """A 100-token prompt started on a 4-block pool (64 slots): its first chunk is the 64 tokens that
+    fit, in all 4 blocks, not a chunk of 100 without blocks."""
+    engine = sim_engine(toy_cost(num_kv_blocks=4), "fcfs")
+    s = engine.scheduler
+    req = engine.add_request([1] * 100, SamplingParams(max_tokens=10, ignore_eos=True))
+    scheduled: dict = {}
+    assert s.start(req, scheduled, 10**6, engine.clock()) == 10**6 - 64
+    assert scheduled == {req: 64} and len(req.block_table) == 4 and s.kv.num_free == 0
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop(ckpt):
+    """As vLLM: min_tokens holds off stop strings as it holds off EOS. A stop string found only in the
+    first 8 tokens' text stops a request, but not one with min_tokens 16: it runs to its length."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
+    prompt = clean_text_prompt(llm)
+    greedy = llm.generate([prompt], GREEDY)[0]
+    early, text = llm.tokenizer.decode(greedy.token_ids[:8]), greedy.text
+    stop = next(text[k:k + 2] for k in range(len(early) - 1) if text[k:k + 2].strip() and text.count(text[k:k + 2]) == 1)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop])
+    assert llm.generate([prompt], params)[0].finish_reason == "stop"
+    late = llm.generate([prompt], SamplingParams(**{**vars(params), "min_tokens": 16}))[0]
+    assert (late.finish_reason, late.text) == ("length", text)
+
+
+def test_live_states_by_hand():
+    """What the page calls a request: waiting, prefilling (prompt tokens left), running (decoding),
+    paused on host or retracted (its KV dropped), finished."""
+    req = Request([1] * 40, SamplingParams(max_tokens=8))
+    assert live.request_state(req) == "waiting"
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, 16
+    assert live.request_state(req) == "prefilling"
+    req.num_computed_tokens = 40
+    req.append(7, 1.0)  # the prompt is done: one new token to compute, a decode
+    assert live.request_state(req) == "running"
+    req.status, req.num_host_tokens = RequestStatus.PREEMPTED, 0
+    assert live.request_state(req) == live.PAUSED[1]
+    req.status = RequestStatus.FINISHED
+    assert live.request_state(req) == "finished"
+
+
+def test_simulated_copies_in_one_direction_queue_behind_each_other():
+    """Two evictions of 10 blocks (0.16 s each on the toy's 1 MB/s link): the second starts when the
+    first is done, so its blocks come back at 0.32 s, not 0.16."""
+    engine = sim_engine(toy_cost(), LoadWhenFaster())
+    s = engine.scheduler
+    a, b = running_request(engine, 160, 100), running_request(engine, 160, 100)
+    free = s.kv.num_free
+    s.preempt(a)
+    s.preempt(b)
+    for t, freed in [(0.159, 0), (0.161, 10), (0.319, 10), (0.321, 20)]:
+        engine.clock.advance_to(t)
+        s.swapper.poll()
+        assert s.kv.num_free == free + freed, t

@@ -1,0 +1,274 @@
+"""Plant one-line bugs, one at a time, and report how many the tests catch (the kill rate).
+
+Each mutant below replaces one line (a unique piece of text; a second line in `old` only picks which
+of two equal lines to change) in a temporary copy of the repository, then runs the tests that
+should catch it (`pytest -k`), not the whole suite, so that a round takes minutes on two cores:
+
+    nice -n 19 python tools/mutate.py     # every mutant; -k WORD,WORD: those whose name has one
+
+A mutant is killed when its tests fail (or time out). Before the mutants, the same tests run once
+on the unmutated copy: they must pass, or a kill would mean nothing. Each mutant is a bug a user
+would notice (wrong tokens, a reader kept waiting, a wrong number or field): none is equivalent.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ["nanoflow", "test_all.py", "bench.py", "data", "pyproject.toml"]
+TIMEOUT_S = 900  # a mutant that makes its tests hang counts as killed after this long
+
+
+@dataclass
+class Mutant:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: str  # pytest -k expression
+
+
+M = Mutant
+MUTANTS = [
+    # sched.py: the mechanism and FCFS
+    M("decodes-first", "nanoflow/sched.py",
+      "for req in sorted(self.running, key=lambda r: r.num_new_tokens != 1):",
+      "for req in self.running:", "keeps_its_decode_tokens"),
+    M("fcfs-no-reserve", "nanoflow/sched.py", "if need > free - reserved:", "if need > free:",
+      "fcfs_admission"),
+    M("fcfs-misfit-skipped", "nanoflow/sched.py", "if need > free:\n                return",
+      "if need > free:\n                continue", "fcfs_admission"),
+    M("fcfs-reserve-counts-held", "nanoflow/sched.py",
+      "reserved += self.future_tokens(s, req)  # less what it holds now", "reserved += need",
+      "fcfs_admission"),
+    M("fcfs-victim-shortest-prompt", "nanoflow/sched.py", "-len(r.prompt_token_ids)))",
+      "len(r.prompt_token_ids)))", "fcfs_victims"),
+    M("fcfs-retract-once", "nanoflow/sched.py",
+      "kept = decoded + self.fcfs.retract_decode_steps * len(s.running)",
+      "kept = decoded + self.fcfs.retract_decode_steps", "fcfs_victims or fcfs_admits"),
+    M("fcfs-decay-no-floor", "nanoflow/sched.py",
+      "self.new_token_ratio = max(self.new_token_ratio - step, fcfs.min_new_token_ratio)",
+      "self.new_token_ratio -= step", "fcfs_victims"),
+    M("load-tie-recomputes", "nanoflow/sched.py",
+      "return load <= num_tokens / self.rates.prefill_rate",
+      "return load < num_tokens / self.rates.prefill_rate", "load_or_recompute"),
+    M("dry-at-ignores-stall", "nanoflow/sched.py",
+      "self.dry_at = max(now, self.dry_at) + 1.0 / self.read_rate",
+      "self.dry_at += 1.0 / self.read_rate", "metrics_by_hand or reader_agrees"),
+    M("release-forgets-last-blocks", "nanoflow/sched.py",
+      "if self.enable_prefix_caching and loaded(req):\n            self._cache_full_blocks(req)",
+      "if False:\n            self._cache_full_blocks(req)", "second_turn_computes or right_blocks"),
+    M("preempt-keeps-computed", "nanoflow/sched.py",
+      "req.num_computed_tokens = 0\n        req.num_cached_blocks = 0",
+      "req.num_cached_blocks = 0", "recompute_after_preemption_without"),
+    M("start-ignores-room", "nanoflow/sched.py",
+      "n = min(req.num_new_tokens, budget, room - req.num_computed_tokens)",
+      "n = min(req.num_new_tokens, budget)", "less_room_than"),
+    # kv.py
+    M("lru-takes-newest", "nanoflow/kv.py", "block, _ = self.evictable.popitem(last=False)",
+      "block, _ = self.evictable.popitem(last=True)", "kv_pool_evicts"),
+    M("free-head-first", "nanoflow/kv.py",
+      "released = [block for block in reversed(block_table) if self.ref_cnt[block] == 0]",
+      "released = [block for block in block_table if self.ref_cnt[block] == 0]",
+      "kv_pool_evicts or tail_first"),
+    M("host-copies-kept-longest", "nanoflow/kv.py",
+      "self.evictable.move_to_end(block, last=False)",
+      "self.evictable.move_to_end(block, last=True)", "host_tier_takes"),
+    M("slot-offset", "nanoflow/kv.py",
+      "slots.append(table[pos // block_size] * block_size + pos % block_size)",
+      "slots.append(table[pos // block_size] * block_size + pos % (block_size // 2))",
+      "greedy_matches_transformers"),
+    M("shared-block-refcount", "nanoflow/kv.py", "self.ref_cnt[block] += 1",
+      "self.ref_cnt[block] = 1", "abort_of_a_request_sharing"),
+    # swap.py
+    M("host-prefix-wrong-blocks", "nanoflow/swap.py",
+      "self._load(req, host_blocks, req.block_table[-n:])",
+      "self._load(req, host_blocks, req.block_table[:n])", "right_blocks or second_turn_loads"),
+    M("demotion-reversed", "nanoflow/swap.py",
+      "self.host.free(host_blocks[::-1], after=self.pending_event())",
+      "self.host.free(host_blocks, after=self.pending_event())",
+      "demotion_keeps or host_tier_takes"),
+    M("write-through-unbounded", "nanoflow/swap.py", "n = min(end - start, max_blocks)",
+      "n = end - start", "host_tier_takes"),
+    M("demotion-no-touch", "nanoflow/swap.py", "self.host.touch(self.host.cached[h])", "pass",
+      "host_tier_takes or only_copy_moves"),
+    M("load-chunk-offset", "nanoflow/swap.py",
+      "def copy_and_scatter(dst=dev_ids[lo:lo + len(src)], dev=dev, host=host):",
+      "def copy_and_scatter(dst=dev_ids[:len(src)], dev=dev, host=host):", "swap_round_trip"),
+    # attention.py
+    M("extend-not-self", "nanoflow/attention.py",
+      "mask = torch.arange(seq_len, device=q.device)[None] <= q_pos[:, None]",
+      "mask = torch.arange(seq_len, device=q.device)[None] < q_pos[:, None]",
+      "logits_match_transformers"),
+    M("store-v-as-k", "nanoflow/attention.py", "k_cache[blocks, offsets] = k[real]",
+      "k_cache[blocks, offsets] = v[real]", "logits_match_transformers"),
+    M("online-softmax-rescale", "nanoflow/attention.py", "alpha = tl.exp2(m_i - m_new)",
+      "alpha = tl.exp2(m_new - m_i)", "test_decode and 16-1-64"),
+    M("merge-unnormalized", "nanoflow/attention.py",
+      "out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)",
+      "out = tl.sum(weight[:, None] * o, 0)", "test_decode_default_splits"),
+    # model.py
+    M("rmsnorm-sum", "nanoflow/model.py",
+      "xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)",
+      "xf = xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + self.eps)",
+      "logits_match_transformers"),
+    M("mlp-gate-up-swapped", "nanoflow/model.py",
+      "F.silu(self.gate_proj(x)) * self.up_proj(x), self.shard)",
+      "F.silu(self.up_proj(x)) * self.gate_proj(x), self.shard)",
+      "logits_match_transformers"),
+    M("rope-rotated-the-other-way", "nanoflow/model.py", "rotated = torch.cat((-x2, x1), dim=-1)",
+      "rotated = torch.cat((x2, -x1), dim=-1)", "logits_match_transformers"),
+    # sampler.py
+    M("top-p-drops-crossing-token", "nanoflow/sampler.py",
+      "probs = probs * (probs.cumsum(-1) - probs < top_p)",
+      "probs = probs * (probs.cumsum(-1) < top_p)", "sampler_draws"),
+    M("repetition-penalty-negative", "nanoflow/sampler.py",
+      "torch.where(logits > 0, logits / rep, logits * rep)",
+      "torch.where(logits > 0, logits / rep, logits / rep)", "penalties_match"),
+    M("min-tokens-bans-one-more", "nanoflow/sampler.py", "if r.num_output_tokens < p.min_tokens for t in",
+      "if r.num_output_tokens <= p.min_tokens for t in", "penalties_match"),
+    # tokenizer.py
+    M("detokenizer-splits-characters", "nanoflow/tokenizer.py",
+      'if len(new_text) <= len(prefix_text) or new_text.endswith("\\ufffd"):',
+      "if len(new_text) <= len(prefix_text):", "detokenizer_never_splits"),
+    # engine.py
+    M("logprobs-of-the-most-demanding", "nanoflow/engine.py",
+      "req.logprobs.append((logprob, top[:req.params.logprobs]))",
+      "req.logprobs.append((logprob, top))", "different_numbers_of_logprobs"),
+    M("logprobs-of-the-least-demanding", "nanoflow/engine.py",
+      "token_logprobs(logits, tokens, max(asked))", "token_logprobs(logits, tokens, min(asked))",
+      "different_numbers_of_logprobs"),
+    M("stop-string-across-tokens", "nanoflow/engine.py",
+      "found = (req.output_text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)",
+      "found = (req.output_text.find(s, before) for s in req.params.stop)",
+      "sampling_seeded_topk_and_stops"),
+    M("context-one-past", "nanoflow/engine.py", "full = req.num_tokens >= self.max_model_len",
+      "full = req.num_tokens > self.max_model_len", "ends_with_length_exactly"),
+    M("stop-string-before-min-tokens", "nanoflow/engine.py",
+      "if req.num_output_tokens >= req.params.min_tokens and self._cut_at_stop_string(req, before):",
+      "if self._cut_at_stop_string(req, before):",
+      "before_min_tokens_does"),
+    M("max-model-len-past-the-pool", "nanoflow/engine.py", "return min(wanted, pool_tokens)",
+      "return wanted", "default_max_tokens_fits or server_fills_the_context"),
+    M("read-rate-unclamped-above", "nanoflow/engine.py",
+      "return min(max(rate, READ_RATE_MIN), READ_RATE_MAX)", "return max(rate, READ_RATE_MIN)",
+      "read_rates_are_clamped"),
+    # metrics.py
+    M("qoe-absolute-times", "nanoflow/metrics.py", "total = sum(t - arrival for t in times)",
+      "total = sum(times)", "qoe_counts or summarize_every or metrics_by_hand"),
+    M("qoe-ideal-one-late", "nanoflow/metrics.py",
+      "late = sum(max(0.0, t - (arrival + ttft_target + i / rate))",
+      "late = sum(max(0.0, t - (arrival + ttft_target + (i + 1) / rate))",
+      "qoe_counts or summarize_every or metrics_by_hand"),
+    M("effective-weight-band", "nanoflow/metrics.py",
+      "low, high = 0.1 * len(token_times), 0.2 * len(token_times)",
+      "low, high = 0.1 * len(token_times), 0.3 * len(token_times)",
+      "qoe_counts or summarize_every or metrics_by_hand"),
+    M("histogram-bound-excluded", "nanoflow/metrics.py",
+      "self.counts[bisect.bisect_left(self.buckets, value)] += 1",
+      "self.counts[bisect.bisect_right(self.buckets, value)] += 1", "histograms_by_hand"),
+    M("tbt-skips-a-gap", "nanoflow/metrics.py",
+      "tbts = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]",
+      "tbts = [b - a for r in done for a, b in zip(r.token_times, r.token_times[2:])]",
+      "summarize_every or qoe_counts"),
+    # serve.py
+    M("n-last-finish-reason", "nanoflow/serve.py",
+      "out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))",
+      "out.append(self._choice(i, deltas[-1].finish_reason, tokens, **content))",
+      "own_finish_reason or n_choices"),
+    M("keepalive-timer-not-restarted", "nanoflow/serve.py",
+      'b": keep-alive\\n\\n")\n                quiet_since = time.monotonic()',
+      'b": keep-alive\\n\\n")', "keepalive_comments_are or paused_stream_gets"),
+    M("usage-counts-every-delta", "nanoflow/serve.py",
+      "completion = sum(e.completion_tokens for e in deltas if e.finish_reason)",
+      "completion = sum(e.completion_tokens for e in deltas)", "n_choices"),
+    M("stream-shows-a-stop-string-start", "nanoflow/serve.py",
+      "hold = max(len(s) for s in req.params.stop) - 1", "hold = 0", "openai_client"),
+    M("n-choices-share-a-seed", "nanoflow/serve.py",
+      "[(params.seed + i) % 2**64 for i in range(n)]", "[params.seed % 2**64 for i in range(n)]",
+      "n_choices"),
+    # live.py, sim.py
+    M("live-buffer-counts-the-read", "nanoflow/live.py",
+      "max(0, math.ceil(lead * req.read_rate - 1))", "max(0, math.ceil(lead * req.read_rate))",
+      "live_row_counts"),
+    M("live-decoding-shown-prefilling", "nanoflow/live.py",
+      "if req.status == RequestStatus.RUNNING and req.num_new_tokens > 1:",
+      "if req.status == RequestStatus.RUNNING and req.num_new_tokens >= 1:",
+      "live_states_by_hand"),
+    M("sim-link-never-queues", "nanoflow/sim.py",
+      "start = max(self.free_at[direction], self.clock())", "start = self.clock()",
+      "simulated_eviction or one_direction_queue"),
+]
+
+
+def run_tests(copy: Path, tests: str) -> tuple[bool, float]:
+    """(passed, seconds) of `pytest -k tests` in the copy (a timeout counts as a failure)."""
+    # no bytecode: a mutant written in the second its file was last compiled must not read stale
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "test_all.py",
+           "-k", tests]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, time.monotonic() - start
+    if done.returncode == 5:  # nothing collected: the mutant list names a test that is gone
+        raise SystemExit(f"no test matches -k {tests!r}")
+    return done.returncode == 0, time.monotonic() - start
+
+
+def mutated(source: str, m: Mutant) -> str:
+    if source.count(m.old) != 1:
+        raise SystemExit(f"{m.name}: {m.old!r} occurs {source.count(m.old)} times in {m.file} "
+                         "(the code changed: update the mutant)")
+    return source.replace(m.old, m.new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-k", default="", help="only the mutants whose name contains one of "
+                        "these comma-separated words")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if any(word in m.name for word in args.k.split(","))]
+    with tempfile.TemporaryDirectory(prefix="nanoflow-mutants-") as tmp:
+        copy = Path(tmp)
+        for name in COPIED:
+            src = ROOT / name
+            if src.is_dir():
+                shutil.copytree(src, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+            elif src.exists():
+                shutil.copy(src, copy / name)
+        for m in chosen:  # every mutant still applies, before spending minutes on any
+            mutated((copy / m.file).read_text(), m)
+        union = " or ".join(sorted({f"({m.tests})" for m in chosen}))
+        ok, seconds = run_tests(copy, union)
+        print(f"unmutated: {'pass' if ok else 'FAIL'} ({seconds:.0f} s)", flush=True)
+        if not ok:
+            raise SystemExit("the tests fail without a mutant: fix them first")
+        survivors = []
+        for m in chosen:
+            path = copy / m.file
+            original = path.read_text()
+            path.write_text(mutated(original, m))
+            try:
+                passed, seconds = run_tests(copy, m.tests)
+            finally:
+                path.write_text(original)
+            print(f"{'SURVIVED' if passed else 'killed  '} {m.name:34} {m.file:22} {seconds:5.0f} s",
+                  flush=True)
+            if passed:
+                survivors.append(m.name)
+        killed = len(chosen) - len(survivors)
+        print(f"kill rate: {killed}/{len(chosen)} = {killed / len(chosen):.0%}"
+              + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -4247,3 +4247,36 @@ def test_simulated_copies_in_one_direction_queue_behind_each_other():
         engine.clock.advance_to(t)
         s.swapper.poll()
         assert s.kv.num_free == free + freed, t
+
+
+def test_preemptable_needs_a_buffer_of_mu_switches_by_hand():
+    """Toy preset: a switch evicts 7 blocks and loads them back, 14 x 16 tokens x 1000 B over 1 MB/s =
+    0.224 s (recompute: 101 tokens at 100/s = 1.01 s), plus the interval 1.5 and a step 0.02: 1.744 s.
+    A comeback needs a switch and an interval ahead (lead 3.244 s); preemption also wants mu - 1 = 1
+    more switch of reading: 4.988 s of buffer."""
+    engine = sim_engine(toy_cost(), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    req = running_request(engine, 100, 500)
+    req.append(0, 0.0)  # started: its reader reads
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.02, 0, 1)
+    assert policy.switch_time(s, req) == pytest.approx(1.744)
+    for buffer, expected in [(4.98, False), (4.99, True)]:
+        req.dry_at = buffer
+        assert policy.preemptable(s, req, 0.0) is expected
+
+
+def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand():
+    """Three running readers of 7 blocks each fill 21 of 24 blocks; a newcomer needs 7 (101 tokens): 4 short.
+    All three can wait (buffers 6, 9 and 12 s against ~5 s needed); the one that runs dry last goes,
+    and its 7 blocks are enough: nobody else."""
+    engine = sim_engine(toy_cost(num_kv_blocks=24), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    reqs = [running_request(engine, 100, 500) for _ in range(3)]
+    for req, buffer in zip(reqs, (6.0, 12.0, 9.0)):
+        req.append(0, 0.0)
+        req.dry_at = buffer
+    newcomer = engine.add_request([1] * 100, SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0))
+    policy.keep, policy.joining = set(), [newcomer]
+    urgency = {r: policy.urgency(s, r, 0.0) for r in [*reqs, newcomer]}
+    assert policy.victims(s, 0.0, urgency) == [reqs[1]]

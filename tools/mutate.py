@@ -37,6 +37,13 @@ class Mutant:
 
 M = Mutant
 MUTANTS = [
+    # sched.py: TokenFlow's decisions
+    M("tokenflow-preempt-without-mu", "nanoflow/sched.py",
+      "return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch",
+      "return req.dry_at - now >= self.lead(switch)", "preemptable_needs"),
+    M("tokenflow-victims-most-urgent", "nanoflow/sched.py",
+      "for r in sorted(others, key=urgency.get, reverse=True):",
+      "for r in sorted(others, key=urgency.get):", "victims_are_the_least"),
     # sched.py: the mechanism and FCFS
     M("decodes-first", "nanoflow/sched.py",
       "for req in sorted(self.running, key=lambda r: r.num_new_tokens != 1):",

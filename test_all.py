@@ -4280,3 +4280,26 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
     policy.keep, policy.joining = set(), [newcomer]
     urgency = {r: policy.urgency(s, r, 0.0) for r in [*reqs, newcomer]}
     assert policy.victims(s, 0.0, urgency) == [reqs[1]]
+
+
+# A fast regime guard: three small rows of the regime matrix, the scheduler's time off the clock
+# (deterministic), both policies. Each row must pass the matrix's bar, and tokenflow must stay within
+# 10% of what it reached when this was recorded (2026-12-01): a policy change that makes a regime worse
+# fails here, in seconds, not only in the ten-minute matrix.
+GUARD_BASE = ("--simulate --uncharged --preset h200-llama3-8b --prompt-len 512 --output-len 1024 --seed 0 "
+              "--num-kv-blocks 3000")
+GUARD_ROWS = [  # (row, arguments, recorded: tokenflow's TTFT p99 / fcfs's, QoE >= 0.95 share, TTFT-SLO share)
+    ("burst", "--burst 100 --read-rate 20", (2.016 / 14.761, 1.0, 0.97)),
+    ("past capacity", "--burst 100 --read-rate 40", (3.464 / 14.761, 0.59, 0.59)),
+    ("poisson", "--poisson 8 --duration 15 --read-rate 20", (0.175 / 2.522, 1.0, 1.0)),
+]
+
+
+@pytest.mark.parametrize("row, extra, recorded", GUARD_ROWS, ids=[r[0] for r in GUARD_ROWS])
+def test_regime_guard(row, extra, recorded):
+    (_, fcfs, tokenflow, misses), = bench.run_matrix([(row, extra)], GUARD_BASE)
+    assert misses == []
+    ttft_ratio, qoe_share, slo_share = recorded
+    assert tokenflow["ttft_p99"] / fcfs["ttft_p99"] <= 1.1 * ttft_ratio
+    assert tokenflow["qoe_good_share"] >= 0.9 * qoe_share
+    assert tokenflow["ttft_slo_share"] >= 0.9 * slo_share

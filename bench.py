@@ -8,6 +8,7 @@ the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compare
 """
 
 import argparse
+import copy
 import csv
 import dataclasses
 import functools
@@ -38,6 +39,7 @@ import torch
 from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
+from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
@@ -320,6 +322,16 @@ def drive(engine, w: Workload, label: str) -> Run:
                time.monotonic() - wall, reqs)
 
 
+def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
+    """w on --replicas copies of the warmed-up engine behind the router (nanoflow/fleet.py)."""
+    engines = [copy.deepcopy(engine) for _ in range(args.replicas)]
+    before, wall = engine.stats(), time.monotonic()
+    reqs, _, start = simulate(engines, w, make_router(router, args.seed), args.scrape_interval)
+    counters = {k: sum(e.stats()[k] - before[k] for e in engines) for k in COUNTERS}
+    return Run(f"{router}/{label}", [r.record() for r in reqs], start + w.arrival[0], counters,
+               time.monotonic() - wall, reqs)
+
+
 def http_call(url: str, method: str, path: str, body: dict | None = None):
     """A request to the server at url (with or without /v1); the response, headers read."""
     parts = urlsplit(url)
@@ -419,8 +431,11 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
                         probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
                         rates=f"{args.read_rate} (as given)")
             if args.read_rate == "auto":
-                w, info["rates"] = auto_rates(w, speed, capacity)
-        runs.append(drive(engine, w, policy))
+                w, info["rates"] = auto_rates(w, speed, capacity * (args.replicas or 1))
+        if args.replicas:
+            runs += [drive_fleet(engine, w, policy, r, args) for r in args.router.split(",")]
+        else:
+            runs.append(drive(engine, w, policy))
         del engine
         free_device_memory()
     return runs, w, info
@@ -461,7 +476,7 @@ def shown(s: dict) -> dict:
 
 def table(runs: list[Run]) -> str:
     sums = list(map(shown, (r.summary for r in runs)))
-    ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else []
+    ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) == 2 else []
     lines = [[""] + [r.name for r in runs] + ratio]
     for label, key, fmt in ROWS:
         ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if ratio else []
@@ -892,6 +907,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
     add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
         help="--simulate's cost model: %(choices)s (default: %(default)s)")
+    add("--replicas", type=int, metavar="N", help="--simulate a fleet of N replicas behind "
+        "--router (docs/fleet.md)")
+    add("--router", default="least-queue", help=f"--replicas: {', '.join(ROUTERS)}, or several "
+        "with commas, each run in turn (default: %(default)s)")
+    add("--scrape-interval", type=float, default=1.0, help="--replicas: s between the router's "
+        "scrapes of /metrics (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
     add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
@@ -930,6 +951,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--conversations takes the conversations of a Mooncake trace (--trace *.jsonl)")
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
+    if args.replicas is not None and (not args.simulate or args.multi_turn or args.replicas < 1
+                                      or args.scrape_interval <= 0):
+        ap.error("--replicas N (>= 1) needs --simulate and no --multi-turn; --scrape-interval > 0")
+    if not set(args.router.split(",")) <= set(ROUTERS):
+        ap.error(f"--router: choose from {', '.join(ROUTERS)}")
     if args.http and (args.read_rate == "auto" or args.multi_turn):
         ap.error("--http needs --read-rate (auto measures an engine in this process) and no "
                  "--multi-turn (a later turn needs the answer's tokens)")

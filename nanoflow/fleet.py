@@ -57,14 +57,16 @@ class LeastQueue(Router):
         return view.scrape["waiting"] + view.sent, kv_usage(view.scrape)
 
 
-class BufferAware(LeastQueue):
-    """The most headroom: measured capacity less the readers' demand (docs/scheduling.md, "The
-    buffer signal"), the readers sent since the scrape included; then the shortest queue."""
+class BufferAware(Router):
+    """The buffer signal (docs/scheduling.md): a replica within capacity (measured capacity less
+    the readers' demand, the readers sent since the scrape included), then the shortest queue,
+    then the most headroom. Headroom alone herds: reader demand does not see prompts to compute."""
 
     def key(self, view: View) -> tuple:
         s = view.scrape
-        headroom = s["capacity_tokens_per_second"] - s["reader_demand_tokens_per_second"]
-        return -(headroom - view.sent_demand), *super().key(view)
+        headroom = (s["capacity_tokens_per_second"] - s["reader_demand_tokens_per_second"]
+                    - view.sent_demand)
+        return headroom < 0, s["waiting"] + view.sent, -headroom
 
 
 ROUTERS = {"round-robin": RoundRobin, "least-queue": LeastQueue, "buffer": BufferAware}

@@ -58,6 +58,7 @@ PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60%
 DEMAND_SHARE = 0.7
 CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its outputs are short
 SPEED_SHARE = 0.5
+GOOD_SHARE = 0.97  # --find-replicas: the share of requests that must reach QoE >= 0.95
 DEFAULT_KV_FRAC = 0.3  # device KV pool: this share of what the whole burst needs at full length
 BLOCK_SIZE = 16
 PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode speed
@@ -332,6 +333,28 @@ def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Nam
                time.monotonic() - wall, reqs)
 
 
+def find_replicas(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
+    """The fleet with the fewest replicas where >= GOOD_SHARE of requests reach QoE >= 0.95: from
+    --replicas, doubling until one does, then bisecting. Prints every size tried (the curve)."""
+    runs = {}
+
+    def good(n: int) -> bool:
+        runs[n] = drive_fleet(engine, w, label, router, argparse.Namespace(**{**vars(args),
+                                                                             "replicas": n}))
+        return runs[n].summary["qoe_good_share"] >= GOOD_SHARE
+
+    low, high = 0, args.replicas
+    while not good(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if good(middle) else (middle, high)
+    curve = ", ".join(f"{n}: {r.summary['qoe_good_share']:.0%}" for n, r in sorted(runs.items()))
+    print(f"{router}/{label}: {high} replicas (QoE >= 0.95 share by replicas: {curve})")
+    runs[high].name += f" x{high}"
+    return runs[high]
+
+
 def http_call(url: str, method: str, path: str, body: dict | None = None):
     """A request to the server at url (with or without /v1); the response, headers read."""
     parts = urlsplit(url)
@@ -433,7 +456,8 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity * (args.replicas or 1))
         if args.replicas:
-            runs += [drive_fleet(engine, w, policy, r, args) for r in args.router.split(",")]
+            run_fleet = find_replicas if args.find_replicas else drive_fleet
+            runs += [run_fleet(engine, w, policy, r, args) for r in args.router.split(",")]
         else:
             runs.append(drive(engine, w, policy))
         del engine
@@ -911,6 +935,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--router (docs/fleet.md)")
     add("--router", default="least-queue", help=f"--replicas: {', '.join(ROUTERS)}, or several "
         "with commas, each run in turn (default: %(default)s)")
+    add("--find-replicas", action="store_true", help="--replicas: search the fewest replicas "
+        f"where {GOOD_SHARE:.0%} of requests reach QoE >= 0.95, from --replicas up or down")
     add("--scrape-interval", type=float, default=1.0, help="--replicas: s between the router's "
         "scrapes of /metrics (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")

@@ -3416,3 +3416,19 @@ def test_fleet_bench_table(tmp_path, capsys):
     assert all(m["completed"] == 4 and 0 <= m["qoe_good_share"] <= 1 for m in policies.values())
     with pytest.raises(SystemExit):
         bench.parse_args(["--burst", "4", "--replicas", "2"])  # a fleet is simulated
+
+
+def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
+    """Doubling from --replicas until a size is good, then bisecting: here sizes from 5 up are good."""
+    tried = []
+
+    def fake(engine, w, label, router, args):
+        tried.append(args.replicas)
+        return bench.Run(f"{router}/{label}", [], 0.0)
+
+    monkeypatch.setattr(bench, "drive_fleet", fake)
+    monkeypatch.setattr(bench.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5}))
+    args = bench.parse_args(["--simulate", "--burst", "4", "--replicas", "2", "--find-replicas"])
+    run = bench.find_replicas(None, None, "fcfs", "buffer", args)
+    assert tried == [2, 4, 8, 6, 5] and run.name == "buffer/fcfs x5"
+    assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out

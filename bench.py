@@ -65,8 +65,8 @@ PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode 
 PROMPT_VOCAB = 256  # prompt ids are drawn below this: valid for every model; content is irrelevant
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
-ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "num_kv_blocks", "max_num_batched_tokens",
-                "enable_prefix_caching", "tokenflow"]
+ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
+                "max_num_batched_tokens", "enable_prefix_caching", "tokenflow"]
 COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device",
             "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
 

@@ -1137,7 +1137,7 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
                                 num_computed_tokens=20)
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)
-    assert swapper.evict(req) and swapper.last_use != [None, None]
+    assert swapper.evict(req) and swapper.out.last_use != [None, None]
     pools = [weakref.ref(device.kv_cache), weakref.ref(host.kv_cache)]
     gc.disable()
     try:
@@ -1183,8 +1183,9 @@ def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
     path, _ = tiny
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(2, "load"))
     swapper = llm.engine.scheduler.swapper
-    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for _, h in swapper.staging)
-    assert swapper.stream != torch.cuda.current_stream()
+    lanes = (swapper.out, swapper.back)
+    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for x in lanes for _, h in x.staging)
+    assert len({swapper.out.stream, swapper.back.stream, torch.cuda.current_stream()}) == 3
     prompts = random_prompts(4, TINY["vocab_size"], seed=13, lengths=(20, 60))
     expected = [o.token_ids for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)]
     tokens, _ = run_checked(llm, prompts, GREEDY)
@@ -1485,6 +1486,7 @@ def test_metrics_count_prefix_hits(server):
 
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
     monkeypatch.setattr(server.loop, "max_waiting", 2)
+    monkeypatch.setattr("nanoflow.serve.START_BOUND_S", 0.0)  # every queued request counts
     streams = [open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)]
     status, resp, err = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})
     assert status == 503 and resp.getheader("Retry-After") == "1" and err["error"]["code"] == "overloaded"
@@ -3288,6 +3290,280 @@ def test_reasoning_parser_is_off_by_default(thinking_ckpt, monkeypatch):
     assert parse_args([]).reasoning_parser is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: qwen3"):
         make_server(None, "127.0.0.1", 0, reasoning_parser="r1")
+
+
+# ------------------------------------------------ issue 23: past capacity; the link is full duplex
+
+
+class FakeEvent:
+    """A CUDA event on the CPU: done once the test (or a host wait) says so."""
+
+    def __init__(self, **_):
+        self.done = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_its_blocks(monkeypatch):
+    """Copies to host and loads each have a stream and a queue: a load issued while an eviction is in
+    flight does not wait for it (both are in flight at once), unless the eviction fills the very host
+    blocks the load reads: then it waits for exactly those, and the KV loaded is the KV evicted."""
+    shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
+    monkeypatch.setattr("nanoflow.swap.STAGING_BYTES", 2 * 2 * 2 * 4 * 2 * 8 * 4)  # 2 blocks a chunk
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    device = KVPool(16, *shape, torch.float32, torch.device("cpu"))
+    host = KVPool(16, *shape, torch.float32, torch.device("cpu"), host=True)
+    swapper = Swapper(device, host)
+    swapper.on_cuda = True  # the CUDA path's books, its device work done at once on the CPU
+    for lane in (swapper.out, swapper.back):
+        lane.stream = types.SimpleNamespace(wait_stream=lambda s: None, device=None)
+    device.kv_cache.copy_(torch.randn(device.kv_cache.shape))
+
+    def request(num_tokens):
+        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
+                                    num_computed_tokens=num_tokens, load_event=None)
+        assert device.grow(req.block_table, num_tokens)
+        return req, device.kv_cache[req.block_table].clone()
+
+    (b, b_kv), (a, a_kv) = request(8), request(16)
+    assert swapper.evict(b)
+    swapper.complete_all()  # b's KV is on host; nothing in flight
+    assert swapper.evict(a)  # 4 blocks: two chunks in flight on the lane to host
+    evicting = list(swapper.out.in_flight)
+    assert len(evicting) == 2 and not swapper.back.in_flight
+    assert swapper.load(b)  # b's host blocks are not a's: the load does not wait for a's eviction
+    assert list(swapper.out.in_flight) == evicting and not any(t.done.query() for t in evicting)
+    assert len(swapper.back.in_flight) == 1 and b.load_event is swapper.back.in_flight[-1].done
+    assert set(swapper.pending_event().events) == {evicting[-1].done, b.load_event}
+    assert torch.equal(device.kv_cache[b.block_table], b_kv)
+    assert swapper.load(a)  # a's host blocks are filled by those very copies: it waits for them
+    assert not swapper.out.in_flight and all(t.done.query() for t in evicting)
+    assert torch.equal(device.kv_cache[a.block_table], a_kv)
+
+
+def test_simulated_link_carries_both_directions_at_once():
+    """In the simulator, a load queued behind a long eviction is done after its own bytes only."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    swapper, clock = engine.scheduler.swapper, engine.clock
+    block_s = swapper.transfer_time(1)
+    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out
+    event = swapper._to_device([0, 1], [0, 1])  # 2 blocks back
+    assert event.at == pytest.approx(clock() + 2 * block_s)
+    assert swapper.backlog() == pytest.approx(100 * block_s)
+    assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
+
+
+def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, monkeypatch):
+    """At 100 prompt tokens/s, four 50-token prompts start within START_BOUND_S (2 s): with
+    --max-waiting 2, the seventh request finds 6 queued, 2 of them stuck, and gets 503. Retry-After:
+    the one request over the limit, 10 tokens at a decode step of 0.5 s per request (a fitted line
+    through (2 requests, 1 s) with slope 0.5), is 10 x 0.5 = 5 s whatever the batch."""
+    rates = server.engine.scheduler.rates
+    monkeypatch.setattr(server.loop, "max_waiting", 2)
+    monkeypatch.setattr(rates, "observe", lambda *a: None)  # the test's rates, not the steps'
+    monkeypatch.setattr(rates, "prefill_rate", 100.0)
+    monkeypatch.setattr(rates, "decode_moments", (2.0, 1.0, 6.0, 3.0))
+    assert [rates.decode_time(b) for b in (1, 4)] == [0.5, 2.0]
+    body = dict(prompt=list(range(3, 53)), max_tokens=10)
+    streams = [open_stream(server, "/v1/completions", body) for _ in range(6)]
+    status, resp, err = call(server, "POST", "/v1/completions", body)
+    assert status == 503 and resp.getheader("Retry-After") == "5" and err["error"]["code"] == "overloaded"
+    gate.set()
+    for _, resp in streams:
+        assert [c for _, c in sse(resp)][-1] == "[DONE]"
+    assert all_free(server)
+# ------------------------------------------------ issue 28: tensor parallelism
+# Two ranks on this CPU over gloo, each a process; tiny random-weight checkpoints keep them quick.
+
+from nanoflow import dist  # noqa: E402
+
+
+@contextlib.contextmanager
+def tensor_parallel(path, **kwargs):
+    """A TP=2 LLM whose worker is stopped (and checked gone) on leaving."""
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, **kwargs)
+    procs = list(dist.workers)
+    try:
+        yield llm
+    finally:
+        dist.shutdown()
+        assert procs and not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen2", 1)])
+def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
+    """TP=2 against TP=1 on the same checkpoint; qwen2 (biases, tied embeddings) with one KV head:
+    both ranks keep it. Rank 0 holds half of every split weight (the norms are whole)."""
+    write_checkpoint(tmp_path, arch, num_key_value_heads=kv_heads)
+    prompt = random_prompts(1, TINY["vocab_size"], seed=20, lengths=(40, 40))[0]
+    one = LLM(tmp_path, device="cpu", num_kv_blocks=8)
+    assert not torch.distributed.is_initialized() and not dist.workers  # one rank: nothing of it
+    expected = engine_logits(one, prompt)
+    with tensor_parallel(tmp_path, num_kv_blocks=8) as llm:
+        assert llm.engine.kv.kv_cache.shape[-2] == max(1, kv_heads // 2)
+        assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
+        whole = ("norm", "k_proj", "v_proj") if kv_heads == 1 else ("norm",)
+        for (name, p), mine in zip(one.engine.model.named_parameters(),
+                                   llm.engine.model.parameters()):
+            assert mine.numel() == p.numel() // (1 if any(w in name for w in whole) else 2), name
+
+
+@pytest.mark.timeout(60)
+def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_and_stops_the_workers(
+        ckpt, monkeypatch):
+    started = []
+    launch = dist.launch
+
+    def recording_launch(*args):
+        shard = launch(*args)
+        started.extend(dist.workers)
+        return shard
+    monkeypatch.setattr(dist, "launch", recording_launch)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLM(ckpt, device="cpu", tensor_parallel_size=3)
+    assert len(started) == 2 and not dist.workers and not dist.leading
+    for p in started:
+        p.join(10)
+    assert [p.exitcode for p in started] == [0, 0]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch,resume", [("llama", "recompute"), ("qwen2", "load")])
+def test_tensor_parallel_greedy_matches_one_rank(tmp_path, arch, resume):
+    """Batching, chunked prefill (24-token budget), forced preemptions resumed by recompute or by
+    loads of what every rank wrote to its own host pool; a second round hits the prefix cache."""
+    write_checkpoint(tmp_path, arch)
+    prompts = shared_prefix_prompts(seed=25)
+    one = LLM(tmp_path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in one.generate(prompts, params)]
+    with tensor_parallel(tmp_path, num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
+                         policy=Forced(2, resume)) as llm:
+        for _ in range(2):
+            assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        stats = llm.stats()
+    assert stats[f"resumes_{resume}"] >= len(prompts)
+    assert stats["prefix_hit_tokens"] > sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_loads_a_prefix_from_every_ranks_host_tier(ckpt):
+    """Fillers push a turn's cached blocks off the device (each rank copies its KV to its own host
+    pool); the next turn loads them on every rank, and its tokens show they arrived intact."""
+    first, new = shared_prefix_prompts(seed=23)[:2]
+    with tensor_parallel(ckpt, num_kv_blocks=12, host_kv_gb=0.01, policy="fcfs") as llm:
+        reply = llm.generate(first, GREEDY)[0].token_ids
+        for filler in random_prompts(2, TINY["vocab_size"], seed=24, lengths=(150, 150)):
+            llm.generate(filler, GREEDY)
+        second = first + reply + new
+        tokens = llm.generate(second, GREEDY)[0].token_ids
+        hits = llm.stats()["prefix_host_hit_tokens"]
+    off = LLM(ckpt, device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    assert tokens == off.generate(second, GREEDY)[0].token_ids
+    assert hits == (len(first) + len(reply) - 1) // 16 * 16
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_under_torchrun(ckpt, tmp_path):
+    """torchrun starts both ranks (as on several machines); rank 1's LLM() serves rank 0's steps."""
+    prompt = random_prompts(1, TINY["vocab_size"], seed=26, lengths=(30, 30))[0]
+    script = tmp_path / "run.py"
+    script.write_text(f"import sys\nfrom nanoflow import LLM, SamplingParams\n"
+                      f"llm = LLM(sys.argv[1], device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
+                      f"p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+                      f"print('tokens', llm.generate([{prompt}], p)[0].token_ids)\n")
+    repo = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script), str(ckpt)], capture_output=True,
+                         text=True, timeout=100, env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 0, out.stderr
+    one = LLM(ckpt, device="cpu", num_kv_blocks=16)
+    expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.stdout.count("tokens") == 1 and f"tokens {expected[0].token_ids}" in out.stdout
+
+
+def process_state(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a process from /proc; None once it is gone."""
+    with contextlib.suppress(OSError):
+        text = open(f"/proc/{pid}/stat").read()
+        state, ppid = text[text.rindex(")") + 2:].split()[:2]
+        return int(ppid), state
+    return None
+
+
+def live_children(pid: int) -> list[int]:
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if (st := process_state(p)) and st[0] == pid and st[1] != "Z"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["kill a worker", "SIGINT", "SIGTERM"])
+def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
+    """A chat answer streams from two ranks. A dead worker ends the server within 5 s with an error
+    naming it; Ctrl-C or a service manager's SIGTERM (to the whole process group) drains and ends
+    it with 0. Either way no process of it is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port",
+                             "0", "--device", "cpu", "--num-kv-blocks", "64",
+                             "--tensor-parallel-size", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    kids = []
+    try:
+        proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()
+        host, port = line.split("http://")[1].split("/")[0].split(":")
+        kids = live_children(proc.pid)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        chunks = [c for _, c in sse(conn.getresponse())]
+        assert chunks[-1] == "[DONE]" and len(chunks) > 2
+        if end == "kill a worker":
+            [worker] = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+            os.kill(worker, signal.SIGKILL)
+            assert proc.wait(timeout=5) != 0
+            assert f"worker nanoflow-rank1 (pid {worker}) died" in proc.stderr.read()
+        else:
+            os.killpg(proc.pid, getattr(signal, end))
+            assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert kids and all((process_state(k) or "ZZ")[1] == "Z" for k in kids)
+    finally:
+        proc.kill()
+        for k in kids:
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9),
+                                                 ("4x4090-qwen2.5-32b", 4, 24e9)])
+def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
+    from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
+
+    cost = PRESETS[preset]()
+    assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, torch.bfloat16)
+    # a rank holds 1/N of the bf16 weights, and they fit its card beside its KV pool
+    weights = cost.weights_read_s / cost.per_kv_token_s * cost.kv_bytes_per_token
+    assert weights == pytest.approx(32.5e9 * 2 / gpus)
+    assert weights + cost.num_kv_blocks * cost.block_size * cost.kv_bytes_per_token < 0.9 * memory
+    reqs = drive(sim_engine(preset, "tokenflow"), burst(20, rate=8.0))
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
 
 
 # ------------------------------------------------ issue 30: a fleet of replicas behind the routers people run

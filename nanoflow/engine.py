@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
-from .model import ModelConfig, Transformer, demo_checkpoint, generation_config, load_model
+from .model import (ModelConfig, Shard, Transformer, demo_checkpoint, generation_config,
+                    load_model)
 from .sampler import sample, token_logprobs
 from .sched import (POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler,
                     TokenFlowConfig)
@@ -62,6 +64,7 @@ class EngineConfig:
     # vLLM's default; the rest of the device is for activations
     gpu_memory_utilization: float = knob(0.9, "GPU share for weights + KV cache", type=float)
     enforce_eager: bool = knob(False, "no CUDA graphs (a CPU never has them)", action="store_true")
+    tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)
     enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
                                        action=argparse.BooleanOptionalAction)
 
@@ -215,6 +218,7 @@ class Engine:
             ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
             last_rows = [ends[req] - 1 for req in batch.sampled]
             logits_indices = to_device(last_rows, torch.long, self.device)
+            # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
             logits = self.model(ids, positions, self.kv_caches, meta, logits_indices)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
@@ -238,9 +242,7 @@ class Engine:
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
         """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
-        most = self.scheduler.max_num_seqs
-        sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, most, GRAPH_BATCH_STEP)]
-        return DecodeGraphs(self.model, self.kv_caches, [s for s in sizes if s < most] + [most],
+        return DecodeGraphs(self.model, self.kv_caches, graph_sizes(self.scheduler.max_num_seqs),
                             self.max_model_len, self.kv.block_size, capture)
 
     def _append_token(self, req: Request, token: int) -> None:
@@ -271,6 +273,12 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id], self.detokenizers[req.request_id]
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes the engine captures (under tensor parallelism, every rank alike)."""
+    sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
 @dataclass
@@ -374,11 +382,17 @@ class LLM:
         c = replace(config or EngineConfig(), **options)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
-        model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype))
+        tp = c.tensor_parallel_size
+        shard = dist.launch(ckpt, device, tp) if tp > 1 or dist.torchrun_rank() else Shard()
+        try:
+            model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
+        except BaseException:
+            # e.g. a size that does not divide the heads: the started workers must not linger
+            dist.shutdown()
+            raise
         self.generation_config = generation_config(ckpt)
-        cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, c.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = model.kv_block_shape(c.block_size)
         block_bytes = kv_block_bytes(*shape, dtype)
         blocks = c.num_kv_blocks or _blocks_that_fit(device, block_bytes, c.gpu_memory_utilization)
         kv = KVPool(blocks, *shape, dtype, device)
@@ -387,8 +401,11 @@ class LLM:
         swapper = Swapper(kv, host) if host_blocks else None
         scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
                               c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
-        self.engine = Engine(model, cfg, self.tokenizer, scheduler, c.read_rate, c.max_model_len,
-                             c.enforce_eager)
+        # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead
+        self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
+                             c.max_model_len, c.enforce_eager or tp > 1)
+        if tp > 1:
+            dist.lead(self.engine, swapper, capture=not c.enforce_eager and device.type == "cuda")
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

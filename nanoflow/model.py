@@ -1,4 +1,5 @@
-"""The model: its config, the Llama-family forward (Llama, Mistral, Qwen2, Qwen3), its weights.
+"""The model: its config, the Llama-family forward (Llama, Mistral, Qwen2, Qwen3), its
+tensor-parallel shards, its weights.
 
 A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
 file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttnMetadata, paged_attention, store_kv
+from .attention import AttnMetadata, cdiv, paged_attention, store_kv
 from .tokenizer import Tokenizer
 
 
@@ -112,6 +114,72 @@ def _check_supported(arch: str, known: dict) -> None:
         raise ValueError(f"unsupported architecture {arch!r}; nanoflow runs {', '.join(known)}")
 
 
+# ---------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size` in Megatron's layout: column-parallel weights (q/k/v, gate/up, the
+    vocabulary of embed_tokens and lm_head) keep a range of output rows, row-parallel ones (o_proj,
+    down_proj) the matching input columns, their partial outputs summed over the ranks. With fewer
+    KV heads than ranks, each rank keeps the one KV head its query heads read."""
+
+    rank: int = 0
+    size: int = 1
+
+    def part(self, n: int) -> slice:
+        per = cdiv(n, self.size)
+        return slice(min(self.rank * per, n), min((self.rank + 1) * per, n))
+
+    def kv_heads(self, cfg: ModelConfig) -> slice:
+        kv = cfg.num_key_value_heads
+        first = self.rank * kv // self.size
+        return self.part(kv) if kv >= self.size else slice(first, first + 1)
+
+    def check(self, cfg: ModelConfig) -> None:
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if heads % self.size or (kv % self.size and self.size % kv):
+            raise ValueError(f"tensor_parallel_size {self.size} must divide the {heads} attention "
+                             f"heads, and divide or be a multiple of the {kv} KV heads")
+
+    def spec(self, name: str, cfg: ModelConfig) -> tuple[int, slice] | None:
+        """(dim, range) of checkpoint tensor `name` that this rank keeps; None: all of it."""
+        d = cfg.head_dim
+        heads, kv = self.part(cfg.num_attention_heads), self.kv_heads(cfg)
+        q, k = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
+        ffn, vocab = self.part(cfg.intermediate_size), self.part(cfg.vocab_size)
+        rows = {"q_proj": q, "k_proj": k, "v_proj": k, "gate_proj": ffn, "up_proj": ffn,
+                "embed_tokens": vocab, "lm_head": vocab}
+        columns = {"o_proj": q, "down_proj": ffn}
+        module, param = name.split(".")[-2:]
+        if module in rows:
+            return 0, rows[module]
+        # a row-parallel bias is added once, after the sum: every rank keeps all of it
+        return (1, columns[module]) if module in columns and param == "weight" else None
+
+    def take(self, name: str, t, cfg: ModelConfig) -> Tensor:
+        """This rank's slice of a tensor or of a lazy safetensors slice (which reads only that)."""
+        spec = self.spec(name, cfg) if self.size > 1 else None
+        if spec is None:
+            return t[:]
+        out = t[spec[1]] if spec[0] == 0 else t[:, spec[1]]
+        # a view would keep the whole dequantized tensor alive
+        return out.clone() if isinstance(t, Tensor) else out
+
+
+def row_parallel(linear: nn.Linear, x: Tensor, shard: Shard) -> Tensor:
+    """A row-parallel projection: partial products summed over the ranks, then the bias once."""
+    if shard.size == 1:
+        return linear(x)
+    y = F.linear(x, linear.weight)
+    dist.all_reduce(y)
+    return y if linear.bias is None else y + linear.bias
+
+
+def width(s: slice) -> int:
+    return s.stop - s.start
+
+
 # ---------------------------------------------------------------- the forward
 
 
@@ -153,11 +221,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.shard, self.head_dim = shard, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // shard.size
+        self.num_kv_heads = width(shard.kv_heads(cfg))
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         family, bias = cfg.family, cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias or family.qkv_bias)
@@ -177,27 +245,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         out = paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out.view(n, -1))
+        return row_parallel(self.o_proj, out.view(n, -1), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        inter = width(shard.part(cfg.intermediate_size))
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
                 ) -> Tensor:
@@ -206,29 +276,32 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(width(shard.part(cfg.vocab_size)), cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    """The decoder of every family; HuggingFace's parameter names, so checkpoints load by name."""
+    """The decoder of every family; HuggingFace's parameter names, so checkpoints load by name.
+    Under tensor parallelism every rank runs the same forward on its shard; rank 0 gets logits."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        self.config = cfg
-        self.model = Backbone(cfg)
+        shard.check(cfg)
+        self.config, self.shard = cfg, shard
+        self.vocab = shard.part(cfg.vocab_size)
+        self.model = Backbone(cfg, shard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, width(self.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
                 meta: AttnMetadata, logits_indices: Tensor) -> Tensor:
         """Runs the flat batch; returns fp32 logits of the rows in logits_indices only."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None]
         cos = torch.cat((freqs, freqs), -1).cos()[:, None].to(x.dtype)
         sin = torch.cat((freqs, freqs), -1).sin()[:, None].to(x.dtype)
@@ -239,15 +312,41 @@ class Transformer(nn.Module):
         head = self.model.embed_tokens.weight if tied else self.lm_head.weight
         # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny
         # shape ~1.5x faster
-        return (head @ x.T).T.float()
+        return self.gather((head @ x.T).T.float())
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int]:
+        """(layers, block_size, this rank's KV heads, head_dim): one KV block's shape here."""
+        attn = self.model.layers[0].self_attn
+        return self.config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its range, zeros elsewhere; summed."""
+        if self.shard.size == 1:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab.start
+        inside = (local >= 0) & (local < width(self.vocab))
+        x = self.model.embed_tokens(local.clamp(0, width(self.vocab) - 1)) * inside[:, None]
+        dist.all_reduce(x)
+        return x
+
+    def gather(self, logits: Tensor) -> Tensor:
+        """The whole vocabulary's logits on rank 0 (each rank sends its range, padded)."""
+        if self.shard.size == 1:
+            return logits
+        per = cdiv(self.config.vocab_size, self.shard.size)
+        own = F.pad(logits, (0, per - logits.shape[1]))
+        parts = None if self.shard.rank else [torch.empty_like(own) for _ in range(self.shard.size)]
+        dist.gather(own, parts, dst=0)
+        return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else own
 
 
 # ---------------------------------------------------------------- weights
 
 
-def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint folder: one model.safetensors, or the files its index lists."""
-    from safetensors.torch import load_file
+def load_safetensors(ckpt: Path, cfg: ModelConfig, shard: Shard) -> dict[str, Tensor]:
+    """This rank's part of every tensor of a checkpoint folder: one model.safetensors, or the
+    files its index lists; each slice is read on its own, never the whole tensor."""
+    from safetensors import safe_open
 
     index = ckpt / "model.safetensors.index.json"
     if index.exists():
@@ -258,7 +357,8 @@ def load_safetensors(ckpt: Path) -> dict[str, Tensor]:
         raise FileNotFoundError(f"{ckpt} has neither model.safetensors nor {index.name}")
     state = {}
     for file in shards:
-        state.update(load_file(ckpt / file))
+        with safe_open(ckpt / file, "pt") as f:
+            state.update({name: shard.take(name, f.get_slice(name), cfg) for name in f.keys()})
     return state
 
 
@@ -304,8 +404,9 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     return pairs.transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
-    """Config, dequantized fp32 weights in HuggingFace names, and tokenizer from one GGUF file."""
+def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
+    """Config, this rank's slices of the dequantized fp32 weights in HuggingFace names, and
+    tokenizer from one GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -313,8 +414,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
             if not k.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
     _check_supported(arch, GGUF_ARCHITECTURES)
-    weights = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-               .float().reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    weights = {t.name: t for t in reader.tensors}  # dequantized one at a time, then sliced
     rope_freqs = weights.pop("rope_freqs.weight", None)
     heads = meta[f"{arch}.attention.head_count"]
     tok = Tokenizer.from_gguf(reader)
@@ -330,7 +430,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
                           meta[f"{arch}.embedding_length"] // heads),
         rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
-        rope_freq_factors=None if rope_freqs is None else rope_freqs.tolist(),
+        rope_freq_factors=None if rope_freqs is None else rope_freqs.data.tolist(),  # float32
         max_position_embeddings=meta[f"{arch}.context_length"],
         attention_bias="blk.0.attn_output.bias" in weights,
         tie_word_embeddings="output.weight" not in weights,
@@ -338,10 +438,12 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
         eos_token_ids=tok.eos_token_ids,
     )
     state = {}
-    for name, w in weights.items():
+    for name, t in weights.items():
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        w = w.reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute_rope(w, heads if "attn_q" in name else cfg.num_key_value_heads)
-        state[_hf_name(name)] = w
+        state[_hf_name(name)] = shard.take(_hf_name(name), w, cfg)
     return cfg, state, tok
 
 
@@ -361,13 +463,13 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtyp
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
-               ) -> tuple[Transformer, Tokenizer]:
+def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None,
+               shard: Shard = Shard()) -> tuple[Transformer, Tokenizer]:
     """A ready model and tokenizer from a checkpoint folder or GGUF file."""
     ckpt = Path(ckpt)
     ckpt_dtype = None  # a GGUF's weights are quantized: no dtype to keep
     if ckpt.suffix == ".gguf":
-        cfg, state, tok = read_gguf(ckpt)
+        cfg, state, tok = read_gguf(ckpt, shard)
     else:
         if not (ckpt / "config.json").exists():
             raise FileNotFoundError(f"{ckpt} is neither a .gguf file nor a folder with config.json")
@@ -376,10 +478,10 @@ def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None
         cfg = ModelConfig.from_hf(hf_config)
         tok = Tokenizer.from_folder(ckpt, cfg.eos_token_ids)
         cfg.eos_token_ids = tok.eos_token_ids
-        state = load_safetensors(ckpt)
+        state = load_safetensors(ckpt, cfg, shard)
     dtype = dtype or auto_dtype(device, ckpt_dtype)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, shard)
     model.to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     load_weights(model, state, dtype)

@@ -11,6 +11,7 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import queue
 import re
 import select
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from . import dist
 from .engine import LLM, Engine, EngineConfig
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
@@ -42,7 +44,8 @@ MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt as token ids fits; a larger body
 DRAIN_LIMIT_BYTES = 64 << 20  # after our 413, what the client still sends is read and dropped...
 DRAIN_IDLE_S = 1.0  # ...while it keeps sending (a client that waits for our answer sends nothing)
 DEFAULT_MAX_WAITING = 256  # requests without a first token yet; more would only wait longer: 503
-RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before it retries
+START_BOUND_S = 2.0  # ...not counting those the engine will start within this (its prefill rate)
+RETRY_AFTER_S = 1  # the least an overloaded server asks a client to wait before it retries
 POLL_S = 0.05  # how often a waiting connection checks that its client is still there: ~one step
 CLIENT_TIMEOUT_S = 60.0  # a client silent this long (headers, body, an unread stream) is dropped
 SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for aborted streams to write their last chunk
@@ -144,14 +147,29 @@ class EngineLoop(threading.Thread):
         with self.lock:
             if self.stopping:
                 raise HTTPError(503, "the server is shutting down")
-            if self.num_queued >= self.max_waiting:
+            stuck = self.num_stuck(len(prompt_ids))
+            if stuck >= self.max_waiting:
+                retry = self.retry_after(stuck - self.max_waiting + 1, params[0].max_tokens)
                 raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry "
-                                "shortly", "overloaded", {"Retry-After": str(RETRY_AFTER_S)})
+                                f"in {retry} s", "overloaded", {"Retry-After": str(retry)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
                 choice = Choice(deltas, i, tag)
                 self.inbox.put(functools.partial(self._add, request_id, prompt_ids, p, choice))
         return deltas
+
+    def num_stuck(self, prompt_tokens: int) -> int:
+        """Queued requests (of this one's prompt length) that the engine, at its measured prefill
+        rate, cannot start within START_BOUND_S: the others are as good as started."""
+        prefill_rate = self.engine.scheduler.rates.prefill_rate
+        return self.num_queued - int(START_BOUND_S * prefill_rate / max(1, prompt_tokens))
+
+    def retry_after(self, excess: int, max_tokens: int) -> int:
+        """Seconds until the engine, at its measured decode rate, has made the outputs of `excess`
+        requests like this one: by then as many have left the queue."""
+        s = self.engine.scheduler
+        batch = max(1, len(s.running))
+        return max(RETRY_AFTER_S, math.ceil(excess * max_tokens * s.rates.decode_time(batch) / batch))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
@@ -881,7 +899,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
         "may call the API (CORS), e.g. http://localhost:3000, or *")
     arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
-        "token beyond which new ones get 503 (default: %(default)s)")
+        f"token, beyond those the engine starts within {START_BOUND_S:g} s, past which new ones get "
+        "503 with a Retry-After from the measured rates (default: %(default)s)")
     arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
         "in-flight requests may take to finish (default: %(default)s)")
     arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -890,6 +909,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if dist.torchrun_rank():  # another rank of `torchrun`: LLM() runs rank 0's steps, then exits
+        LLM(args.ckpt, **EngineConfig.flag_values(args))
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
     names = args.served_model_name or [model_id(args.ckpt)]
@@ -911,6 +932,7 @@ def main(argv: list[str] | None = None) -> None:
              args.shutdown_timeout)
     finished, cut = server.shutdown(args.shutdown_timeout)
     log.info("shut down: %d requests finished, %d cut", finished, cut)
+    dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ on a laptop, and what the simulator says about a policy is what that policy does
 """
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,7 +18,7 @@ from .engine import Engine, Request
 from .kv import KVPool, kv_block_bytes
 from .model import ModelConfig
 from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
-from .swap import Swapper
+from .swap import Lane, Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
 
@@ -116,7 +116,36 @@ def cpu_smollm2() -> CostModel:
                "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits"])
 
 
-PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2}
+QWEN25_32B = ModelConfig("qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=32768)
+ALLREDUCE_LATENCY_S = 20e-6  # per all-reduce over PCIe (assumed): two per layer, 128 per step
+
+
+def tp_qwen32b(card: str, gpus: int, memory: float, hbm: float, flops: float, bus: float):
+    """Qwen2.5-32B in bf16 over `gpus` cards (all-reduce at `bus` bytes/s), one rank's costs."""
+    params, layers, link = 32.5e9, QWEN25_32B.num_hidden_layers, 25e9
+    weights = params * 2 / gpus
+    kv_token = kv_bytes_per_token(QWEN25_32B, torch.bfloat16) // gpus
+    # per token: its share of the matmuls, two ring all-reduces per layer of its bf16 hidden state
+    hidden_bytes = QWEN25_32B.hidden_size * 2
+    per_token = 2 * params / gpus / flops + 4 * layers * (gpus - 1) / gpus * hidden_bytes / bus
+    return CostModel(
+        f"{gpus}x{card}-qwen2.5-32b", QWEN25_32B, kv_token,
+        overhead_s=1.5e-3 + 2 * layers * ALLREDUCE_LATENCY_S, weights_read_s=weights / hbm,
+        per_kv_token_s=kv_token / hbm, per_prefill_token_s=per_token, per_decode_seq_s=per_token,
+        link_bytes_per_s=link, num_kv_blocks=int((memory * 0.9 - weights - 2e9) // (16 * kv_token)),
+        num_host_blocks=int(64e9 / gpus // (16 * kv_token)),
+        notes=[f"{memory / 1e9:.0f} GB, {hbm / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s per GPU "
+               "(spec sheets, no efficiency factor); 65 GB of weights, 1/N per rank",
+               f"all-reduce {bus / 1e9:.0f} GB/s, {ALLREDUCE_LATENCY_S * 1e6:.0f} us (assumed), "
+               "not overlapped; KV pool: 0.9 x memory - weights - 2 GB; host link 25 GB/s"])
+
+
+PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2,
+           # A6000 pairs over PCIe Gen4; 4090s: half-rate fp32 accumulation, no peer-to-peer
+           "2xa6000-qwen2.5-32b": lambda: tp_qwen32b("a6000", 2, 48e9, 768e9, 154.8e12, 20e9),
+           "4x4090-qwen2.5-32b": lambda: tp_qwen32b("4090", 4, 24e9, 1008e9, 82.6e12, 10e9)}
 
 
 class _NoText:
@@ -142,37 +171,39 @@ class VirtualEvent:
 
 
 class SimSwapper(Swapper):
-    """Transfers as time on one virtual host link (bytes / bandwidth, in order); the books are
-    Swapper's. Blocks being copied return to their pool, and loaded requests may run, once their
-    copy is done."""
+    """Transfers as time on a virtual host link, each direction its own queue (bytes / bandwidth,
+    in order; the link is full duplex); the books are Swapper's. Blocks being copied return to
+    their pool, and loaded requests may run, once their copy is done."""
 
     def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float):
         self.device, self.host, self.clock = device, host, clock
         self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
-        self.in_flight, self.queued_bytes, self.counters = deque(), 0, Counter()
-        self.link_free_at = 0.0
+        self.out, self.back = Lane(None, []), Lane(None, [])  # never in flight: time is modelled
+        self.free_at = {"out": 0.0, "back": 0.0}  # when each direction's queue is done
+        self.writing, self.counters = {}, Counter()
         self.async_copies = True  # the modelled link runs beside compute, as on a GPU
         self.link_tiers()
 
-    def _occupy(self, num_blocks: int) -> float:
-        """When a copy queued now would be done."""
-        start = max(self.link_free_at, self.clock())
-        self.link_free_at = start + num_blocks * self.block_bytes / self.bandwidth
-        return self.link_free_at
+    def _occupy(self, direction: str, num_blocks: int) -> float:
+        """When a copy queued now in this direction would be done."""
+        start = max(self.free_at[direction], self.clock())
+        self.free_at[direction] = start + num_blocks * self.block_bytes / self.bandwidth
+        return self.free_at[direction]
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
-        self._occupy(len(dev_ids))
+        self._occupy("out", len(dev_ids))
         self.counters["bytes_to_host"] += len(dev_ids) * self.block_bytes
 
     def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> VirtualEvent:
         self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
-        return VirtualEvent(self._occupy(len(host_ids)), self.clock)
+        return VirtualEvent(self._occupy("back", len(host_ids)), self.clock)
 
     def pending_event(self) -> VirtualEvent | None:
-        return VirtualEvent(self.link_free_at, self.clock) if self.backlog() else None
+        return VirtualEvent(max(self.free_at.values()), self.clock) if self.backlog() else None
 
-    def backlog(self) -> float:
-        return max(0.0, self.link_free_at - self.clock())
+    def backlog(self, lane: Lane | None = None) -> float:
+        ends = [self.free_at["back"]] if lane is self.back else self.free_at.values()
+        return max(0.0, max(ends) - self.clock())
 
 
 class ChargedScheduler(Scheduler):

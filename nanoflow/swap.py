@@ -3,14 +3,15 @@
 A host pool (kv.py's layout, in CPU memory) takes the blocks running requests fill, after a step,
 so preempting a request copies only its unsynced tail; resuming loads it into fresh device blocks.
 Full blocks keep their prefix-cache hashes on host: a second cache tier, which also takes the
-cached blocks the device drops (`demote`). On CUDA copies run on a side stream through two staging
-buffers (docs/design.md); on CPU every copy completes at once.
+cached blocks the device drops (`demote`). On CUDA copies run on side streams, one per direction
+(the link is full duplex: a load never waits behind evictions), each through two staging buffers
+(docs/design.md); on CPU every copy completes at once.
 """
 
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +28,36 @@ class Transfer:
 
     nbytes: int
     finish: Callable[[], None]
+    host_ids: list[int] = field(default_factory=list)  # the host blocks a copy to host fills
     start: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
+
+
+@dataclass(eq=False)
+class Lane:
+    """One direction of the link: its stream, two staging pairs (device, pinned host) that take
+    turns, and its chunks in flight, oldest first."""
+
+    stream: torch.cuda.Stream | None
+    staging: list[tuple[torch.Tensor, torch.Tensor]]
+    last_use: list[Transfer | None] = field(default_factory=lambda: [None, None])  # per slot
+    slot: int = 0
+    in_flight: deque[Transfer] = field(default_factory=deque)
+    queued_bytes: int = 0  # issued and not finished yet
+
+
+@dataclass
+class AllDone:
+    """Done once every event is: what a block freed after copies in both directions waits for."""
+
+    events: list
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
 
 
 class Swapper:
@@ -40,19 +69,19 @@ class Swapper:
         self.block_bytes = device.bytes_per_block
         cache = device.kv_cache
         self.on_cuda = self.async_copies = cache.is_cuda
-        self.stream = torch.cuda.Stream(cache.device) if self.on_cuda else None
         self.chunk_blocks = max(1, min(STAGING_BYTES // self.block_bytes, host.num_blocks))
-        shape = (self.chunk_blocks, *cache.shape[1:])
-        self.staging = [(torch.empty(shape, dtype=cache.dtype, device=cache.device),
-                         torch.empty(shape, dtype=cache.dtype, pin_memory=self.on_cuda))
-                        for _ in range(2)]
-        self.last_use: list[Transfer | None] = [None, None]  # the last transfer of each slot
-        self.slot = 0
-        self.in_flight: deque[Transfer] = deque()
-        self.queued_bytes = 0  # issued and not finished yet
+        self.out, self.back = self._lane(cache), self._lane(cache)  # to host, to device
+        self.writing: dict[int, Transfer] = {}  # host block -> the copy to host that fills it
         self.bandwidth = BANDWIDTH_GUESS["cuda" if self.on_cuda else "cpu"]
         self.counters: Counter[str] = Counter()
         self.link_tiers()
+
+    def _lane(self, cache: torch.Tensor) -> Lane:
+        shape = (self.chunk_blocks, *cache.shape[1:])
+        staging = [(torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                    torch.empty(shape, dtype=cache.dtype, pin_memory=self.on_cuda))
+                   for _ in range(2)]
+        return Lane(torch.cuda.Stream(cache.device) if self.on_cuda else None, staging)
 
     def link_tiers(self) -> None:
         """The host tier learns what the device caches and what it drops."""
@@ -141,9 +170,10 @@ class Swapper:
             self.counters["blocks_demoted"] += len(blocks)
 
     def _load(self, req, host_ids: list[int], dev_ids: list[int]) -> None:
-        """Copy host blocks into req's, after the copies to host (they may carry these blocks)."""
-        self.demote()
-        self._drain()
+        """Copy host blocks into req's once the copies that fill them are done (no others)."""
+        self.demote()  # gathered before the load may overwrite the device blocks it drops
+        while any(h in self.writing for h in host_ids):
+            self._finish_oldest(self.out)
         req.load_event = self._to_device(host_ids, dev_ids)
 
     def forget(self, req) -> None:
@@ -155,15 +185,17 @@ class Swapper:
         self.device.free(req.block_table, after=self.pending_event())
         self.forget(req)
 
-    def backlog(self) -> float:
-        """Estimated seconds until the copies issued so far are done."""
-        return self.queued_bytes / self.bandwidth
+    def backlog(self, lane: Lane | None = None) -> float:
+        """Estimated seconds until the copies issued so far (on one lane, or both) are done."""
+        return max(x.queued_bytes for x in ([lane] if lane else [self.out, self.back])) / \
+            self.bandwidth
 
     def transfer_time(self, num_blocks: int) -> float:
         return num_blocks * self.block_bytes / self.bandwidth
 
     def copy_done_in(self, num_blocks: int) -> float:
-        return self.backlog() + self.transfer_time(num_blocks)
+        """Seconds until a load of num_blocks issued now is done (behind other loads only)."""
+        return self.backlog(self.back) + self.transfer_time(num_blocks)
 
     def blocks_in(self, seconds: float) -> int:
         """Blocks the link carries in this many seconds (at least one)."""
@@ -171,8 +203,9 @@ class Swapper:
 
     def poll(self) -> None:
         """Finish the transfers whose DMA is done; free the blocks they were holding."""
-        while self.in_flight and self.in_flight[0].done.query():
-            self._retire(self.in_flight.popleft())
+        for lane in (self.out, self.back):
+            while lane.in_flight and lane.in_flight[0].done.query():
+                self._retire(lane, lane.in_flight.popleft())
         self.device.release_pending()
         self.host.release_pending()
 
@@ -184,85 +217,96 @@ class Swapper:
                 event.synchronize()
             pool.release_pending()
 
-    def pending_event(self) -> torch.cuda.Event | None:
-        """The event after which every copy issued so far is done (None if none is in flight)."""
-        return self.in_flight[-1].done if self.in_flight else None
+    def pending_event(self) -> AllDone | None:
+        """Done once every copy issued so far is (None if none is in flight)."""
+        last = [lane.in_flight[-1].done for lane in (self.out, self.back) if lane.in_flight]
+        return AllDone(last) if last else None
 
     # ------------------------------------------------------------ chunked copies
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
         for lo in range(0, len(dev_ids), self.chunk_blocks):
-            src = dev_ids[lo:lo + self.chunk_blocks]
-            dev, host = self._claim_slot(len(src))
+            src, dst = dev_ids[lo:lo + self.chunk_blocks], host_ids[lo:lo + self.chunk_blocks]
+            dev, host = self._claim_slot(self.out, len(src))
             # gathered on the compute stream: the next step may overwrite these blocks
             torch.index_select(self.device.kv_cache, 0, self._indices(src), out=dev)
 
-            def scatter(dst=torch.tensor(host_ids[lo:lo + len(src)]), staged=host,
-                        pool=self.host.kv_cache):
+            def scatter(dst=torch.tensor(dst), staged=host, pool=self.host.kv_cache):
                 pool.index_copy_(0, dst, staged)
 
-            self._copy_chunk("bytes_to_host", len(src),
-                             lambda dev=dev, host=host: host.copy_(dev, non_blocking=True), scatter)
+            transfer = self._copy_chunk(self.out, "bytes_to_host", len(src),
+                                        lambda dev=dev, host=host: host.copy_(dev, non_blocking=True),
+                                        scatter)
+            if transfer:
+                transfer.host_ids = dst
+                self.writing.update(dict.fromkeys(dst, transfer))
 
     def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> torch.cuda.Event | None:
         for lo in range(0, len(host_ids), self.chunk_blocks):
             src = torch.tensor(host_ids[lo:lo + self.chunk_blocks])
-            dev, host = self._claim_slot(len(src))
+            dev, host = self._claim_slot(self.back, len(src))
             torch.index_select(self.host.kv_cache, 0, src, out=host)
 
             def copy_and_scatter(dst=dev_ids[lo:lo + len(src)], dev=dev, host=host):
                 dev.copy_(host, non_blocking=True)
                 self.device.kv_cache.index_copy_(0, self._indices(dst), dev)
 
-            self._copy_chunk("bytes_to_device", len(src), copy_and_scatter, lambda: None)
-        return self.pending_event()
+            self._copy_chunk(self.back, "bytes_to_device", len(src), copy_and_scatter,
+                             lambda: None)
+        return self.back.in_flight[-1].done if self.back.in_flight else None
 
     def _indices(self, ids: list[int]) -> torch.Tensor:
         return to_device(ids, torch.int64, self.device.kv_cache.device)
 
-    def _claim_slot(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next staging pair (device, host), once its last transfer is done."""
-        self.slot ^= 1
-        while self.last_use[self.slot] in self.in_flight:
-            self._finish_oldest()
-        return tuple(stage[:num_blocks] for stage in self.staging[self.slot])
+    def _claim_slot(self, lane: Lane, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lane's next staging pair (device, host), once its last transfer is done."""
+        lane.slot ^= 1
+        while lane.last_use[lane.slot] in lane.in_flight:
+            self._finish_oldest(lane)
+        return tuple(stage[:num_blocks] for stage in lane.staging[lane.slot])
 
-    def _copy_chunk(self, direction: str, num_blocks: int, device_work: Callable[[], None],
-                    finish: Callable[[], None]) -> None:
-        """One chunk's device-side copies on the side stream; `finish` runs on the host after."""
+    def _copy_chunk(self, lane: Lane, direction: str, num_blocks: int,
+                    device_work: Callable[[], None], finish: Callable[[], None]) -> Transfer | None:
+        """One chunk's device-side copies on the lane's stream; `finish` runs on the host after.
+        The transfer in flight, or None: on CPU it is done on return."""
         self.counters[direction] += num_blocks * self.block_bytes
         transfer = Transfer(num_blocks * self.block_bytes, finish)
-        self.last_use[self.slot] = transfer
-        if not self.on_cuda:  # synchronous: everything is done on return
+        lane.last_use[lane.slot] = transfer
+        if not self.on_cuda:
             start = time.perf_counter()
             device_work()
             finish()
             self._measured(transfer.nbytes, time.perf_counter() - start)
-            return
+            return None
         transfer.start = torch.cuda.Event(enable_timing=True)
         transfer.done = torch.cuda.Event(enable_timing=True)
         # the compute stream wrote the blocks
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
+        lane.stream.wait_stream(torch.cuda.current_stream(lane.stream.device))
+        with torch.cuda.stream(lane.stream):
             transfer.start.record()
             device_work()
             transfer.done.record()
-        self.queued_bytes += transfer.nbytes
-        self.in_flight.append(transfer)
+        lane.queued_bytes += transfer.nbytes
+        lane.in_flight.append(transfer)
+        return transfer
 
     def _drain(self) -> None:
-        while self.in_flight:
-            self._finish_oldest()
+        for lane in (self.out, self.back):
+            while lane.in_flight:
+                self._finish_oldest(lane)
 
-    def _finish_oldest(self) -> None:
-        t = self.in_flight.popleft()
+    def _finish_oldest(self, lane: Lane) -> None:
+        t = lane.in_flight.popleft()
         t.done.synchronize()
-        self._retire(t)
+        self._retire(lane, t)
 
-    def _retire(self, t: Transfer) -> None:
+    def _retire(self, lane: Lane, t: Transfer) -> None:
         """The host side of a chunk whose DMA is done, and its measured bandwidth."""
         t.finish()
-        self.queued_bytes -= t.nbytes
+        for h in t.host_ids:
+            if self.writing.get(h) is t:
+                del self.writing[h]
+        lane.queued_bytes -= t.nbytes
         self._measured(t.nbytes, t.start.elapsed_time(t.done) / 1e3)
 
     def _measured(self, nbytes: int, seconds: float) -> None:

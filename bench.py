@@ -4,7 +4,8 @@
 each request's reading rate), runs it on the engine once per policy and prints TTFT, stalls, QoE
 and throughput of each (docs/scheduling.md). `--simulate` drives a simulated engine on a virtual
 clock, `--http URL` a running server (timed at the client); `--multi-turn N` runs chats that resend
-the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers.
+the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers;
+`--grammar-cost` times constrained decoding (docs/structured-outputs.md).
 """
 
 import argparse
@@ -565,8 +566,8 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
 # the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
 BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
        ("effective_throughput", -1, 0.95, 0.0)]
-MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | QoE >= 0.95 "
-               "share | TTFT <= SLO share | verdict |\n|---|---|---|---|---|---|---|---|")
+MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | "
+               "QoE >= 0.95 share | TTFT <= SLO share | verdict |\n" + "|---" * 8 + "|")
 
 
 def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]:
@@ -624,6 +625,46 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
         if isinstance(s.policy, TokenFlow):  # one full rebalance (working set, sort, fill, victims)
             rebalance = f"{seconds(lambda: full_rebalances(s, engine.clock(), 10)) / 10 * 1e3:.3f}"
         print(f"{policy:>10} {n:>8} {spent / steps * 1e3:>16.3f} {rebalance:>15}")
+
+
+# a schema that keeps a batch constrained through the timed steps: 64 strings at least
+LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 64}
+CALL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
+
+
+def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> None:
+    """Constrained decoding's cost: a decode step at `batch` with every row constrained vs none
+    (alternating, same prompts), the bitmask work alone, the unconstrained rows' check, compiles."""
+    from nanoflow import grammar
+
+    llm = LLM(args.ckpt, device=args.device, dtype=args.dtype, num_kv_blocks=batch * 24)
+    engine, times = llm.engine, {True: [], False: []}
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"List {i} fruits."}])
+               for i in range(batch)]
+    for round_ in range(4):  # alternate, so that a busy machine slows both alike
+        constrained = round_ % 2 == 0
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True,
+                                json_schema=LONG_SCHEMA if constrained else None)
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while any(r.num_output_tokens == 0 for r in reqs):  # prefill
+            engine.step()
+        times[constrained] += [seconds(engine.step) for _ in range(steps)]
+        if constrained:
+            logits = torch.zeros(batch, engine.config.vocab_size)
+            masks = seconds(lambda: grammar.apply_bitmasks(logits, reqs))
+        for r in reqs:
+            engine.abort(r.request_id)
+    check = seconds(lambda: any(r.params.json_schema is not None for r in reqs)) * 1e6
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    print(f"decode step at batch {batch}, median of {2 * steps}: unconstrained {off * 1e3:.1f} ms, "
+          f"every row constrained {on * 1e3:.1f} ms (+{(on - off) * 1e3:.1f} ms); bitmasks filled "
+          f"and applied alone: {masks * 1e3:.2f} ms; an unconstrained step's check: {check:.1f} us")
+    for name, schema in [("long array", LONG_SCHEMA), ("tool call", CALL_SCHEMA)]:
+        grammar._grammar.cache_clear()
+        cold = seconds(lambda: engine.grammars.matcher(schema))
+        print(f"schema {name}: compile + matcher {cold * 1e3:.2f} ms cold, "
+              f"{seconds(lambda: engine.grammars.matcher(schema)) * 1e3:.2f} ms cached")
 
 
 def full_rebalances(s, now: float, times: int) -> None:
@@ -709,7 +750,7 @@ def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
 def fake_request(block_table: list[int], num_computed_tokens: int) -> SimpleNamespace:
     """What the Swapper reads of a request."""
     return SimpleNamespace(block_table=block_table, host_block_table=[], num_host_tokens=0,
-                           num_computed_tokens=num_computed_tokens)
+                           num_computed_tokens=num_computed_tokens, block_hashes=[])
 
 
 def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
@@ -925,7 +966,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
         "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
     add("--ttft-slo", type=float, metavar="S", help="the TTFT SLO whose attainment is reported "
-        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} s on a CPU)")
+        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} on a CPU)")
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
@@ -958,12 +999,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
         "by name) under both policies: a verdict per row")
     add("--sched-cost", action="store_true", help="time a decision at 256 and 1024 running")
+    add("--grammar-cost", action="store_true", help="time constrained decoding at batch 32")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
     workload = (args.burst, args.poisson, args.trace, args.multi_turn)
     modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost,
-             args.calibrate)
+             args.calibrate, args.grammar_cost)
     if not (any(workload) or args.matrix is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
@@ -1062,6 +1104,8 @@ def main(argv: list[str] | None = None) -> None:
         serving_bench(args)
     if args.sched_cost:
         sched_cost()
+    if args.grammar_cost:
+        grammar_cost(args)
     if args.matrix is not None:
         matrix(args)
 

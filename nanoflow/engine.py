@@ -15,6 +15,7 @@ import torch
 
 from . import dist
 from .attention import AttnMetadata
+from .grammar import Grammars, check_schema
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
 from .model import (ModelConfig, Shard, Transformer, demo_checkpoint, generation_config,
                     load_model)
@@ -117,6 +118,7 @@ class Engine:
         self.graphs = None if eager else self.decode_graphs(capture=True)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammars = Grammars(tokenizer, config.vocab_size)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
@@ -130,6 +132,8 @@ class Engine:
             req.request_id = request_id
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.json_schema is not None:  # each request (each of n choices) its own
+            req.matcher = self.grammars.matcher(params.json_schema)
         self.requests[req.request_id] = req
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)
@@ -146,6 +150,11 @@ class Engine:
                              f"{self.max_model_len} (max_model_len): generation needs one more")
         if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
             raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
+        if params.json_schema is not None:
+            try:
+                check_schema(params.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema: {e}") from None
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (a client went away); its blocks are freed at once."""
@@ -247,6 +256,8 @@ class Engine:
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append(token, self.clock())
+        if req.matcher is not None:
+            req.matcher.consume_token(token)
         eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids
                                                      and not req.params.ignore_eos)
         full = req.num_tokens >= self.max_model_len
@@ -272,6 +283,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
+        req.matcher = None
         del self.requests[req.request_id], self.detokenizers[req.request_id]
 
 

@@ -1,12 +1,15 @@
 """The sampler: one next token per request from the logits of the step's batch.
 
-Logit bias, min_tokens and the repetition/frequency/presence penalties shape the logits;
+Logit bias, min_tokens, the repetition/frequency/presence penalties and the grammars of
+constrained requests (grammar.py) shape the logits;
 temperature, top_k, min_p and top_p shape each row's distribution; greedy rows take the argmax.
 Everything runs on the whole batch at once, with per-request seeds honoured.
 """
 
 import torch
 from torch import Tensor
+
+from .grammar import apply_bitmasks
 
 
 def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[int]:
@@ -28,7 +31,8 @@ def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[in
 
 
 def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Tensor:
-    """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties (vLLM's)."""
+    """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties (vLLM's),
+    then each constrained row's grammar."""
     params = [r.params for r in reqs]
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
     if bias:
@@ -43,7 +47,10 @@ def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Te
         logits = logits.index_put(index, _tensor(logits, float("-inf")).expand(len(rows)))
     penalized = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
                  for p in params]
-    return _penalize(logits, reqs, penalized) if any(penalized) else logits
+    if any(penalized):
+        logits = _penalize(logits, reqs, penalized)
+    constrained = any(p.json_schema is not None for p in params)
+    return apply_bitmasks(logits, reqs) if constrained else logits
 
 
 def _penalize(logits: Tensor, reqs: list, penalized: list[bool]) -> Tensor:

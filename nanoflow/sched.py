@@ -46,6 +46,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     read_rate: float | None = None  # tokens/s its reader reads; None = the engine's default
+    json_schema: dict | None = None  # the output must be JSON valid against it (grammar.py)
 
     def __post_init__(self):
         def check(name: str, ok: bool, rule: str):
@@ -88,6 +89,8 @@ class SamplingParams:
         check("seed", seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
               "a 64-bit integer or None")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
+        check("json_schema", self.json_schema is None or isinstance(self.json_schema, dict),
+              "a JSON schema (a dict) or None")
         rate = self.read_rate
         check("read_rate", rate is None or (is_num(rate) and rate > 0),
               "a number > 0 (tokens/s) or None")
@@ -135,6 +138,7 @@ class Request:
     read_rate: float = 8.0  # tokens/s, resolved by the engine (params.read_rate, clamped)
     token_times: list[float] = field(default_factory=list)  # when each output token was generated
     logprobs: list = field(default_factory=list)  # per output token: Engine._record_logprobs
+    matcher: object = None  # its grammar's state, advanced by each output token (grammar.py)
     # when its reader runs out of tokens (docs/scheduling.md); earlier than now if it stalls already
     dry_at: float = field(init=False)
 
@@ -515,7 +519,6 @@ class TokenFlowConfig:
     interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s)
     mu: float = 2.0  # a buffer must cover mu switches (and an interval) to be preempted
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
-    overdraft: float = 0.05  # ...but all may join while they ask at most this much past all of it
     hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
     write_through_below: float = 0.2  # share of free device KV under which to write through
 
@@ -598,7 +601,8 @@ class TokenFlow(FCFS):
         if any(urgency[r][0] == 0 for r in s.waiting if r.started):
             return members  # a paused reader runs dry: the estimates were kind
         newcomers = [r for r in s.waiting if not r.started]
-        capacity = self.demand_limit(demand + sum(r.read_rate for r in newcomers), capacity)
+        if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
+            capacity /= self.config.capacity_share  # the last few need not wait for the reserve
         for r in newcomers:
             demand += r.read_rate
             prefill -= r.num_new_tokens
@@ -606,13 +610,6 @@ class TokenFlow(FCFS):
                 break
             members.append(r)
         return members
-
-    def demand_limit(self, demand: float, capacity: float) -> float:
-        """The readers' tokens/s the working set may take, given what all of them ask: everything
-        up to `overdraft` past the whole capacity (the reserve for switches included), then less,
-        continuously, down to `capacity` (no cliff where demand crosses an estimate)."""
-        edge = capacity / self.config.capacity_share * (1 + self.config.overdraft)
-        return edge if demand <= edge else max(capacity, edge - 2 * (demand - edge))
 
     def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
         """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""

@@ -32,10 +32,12 @@ from jinja2 import TemplateError
 
 from . import dist
 from .engine import LLM, Engine, EngineConfig
+from .grammar import response_format_schema
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
 from .reasoning import REASONING_PARSERS, split_reasoning
 from .sched import Request, SamplingParams
+from .tools import ToolCallStream, ToolRequest, template_messages
 
 log = logging.getLogger("nanoflow.serve")
 
@@ -55,16 +57,17 @@ MAX_CHOICES = 16  # `n`: copies of one prompt; more would crowd out everyone els
 MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
-# the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint
+# the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint,
+# `json_schema` comes from response_format or tool_choice
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)
-                   if f.name not in ("max_tokens", "logprobs")]
+                   if f.name not in ("max_tokens", "logprobs", "json_schema")]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or this neutral value
-UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "tools": [], "tool_choice": "none",
-               "functions": [], "function_call": "none", "response_format": {"type": "text"}}
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "functions": [], "function_call": "none"}
 # every other field of a body: unknown, ignored with a warning (as vLLM does)
 KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens",
                 "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
-                "chat_template_kwargs", *UNSUPPORTED}
+                "chat_template_kwargs", *UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls",
+                "response_format"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
@@ -169,7 +172,8 @@ class EngineLoop(threading.Thread):
         requests like this one: by then as many have left the queue."""
         s = self.engine.scheduler
         batch = max(1, len(s.running))
-        return max(RETRY_AFTER_S, math.ceil(excess * max_tokens * s.rates.decode_time(batch) / batch))
+        seconds = excess * max_tokens * s.rates.decode_time(batch) / batch
+        return max(RETRY_AFTER_S, math.ceil(seconds))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))
@@ -301,6 +305,9 @@ def chat_messages(body: dict) -> list[dict]:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list) and all(map(is_text_part, content)):
             content = "\n".join(p["text"] for p in content)
+        # an assistant's calls without text: tools.template_messages adds them
+        if content is None and isinstance(m, dict) and m.get("tool_calls"):
+            content = ""
         if not (isinstance(content, str) and isinstance(m.get("role"), str)):
             raise HTTPError(400, f"messages[{i}] needs string `role` and `content` (or text parts)")
         if m["role"] not in ROLES:
@@ -325,8 +332,8 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
     raise HTTPError(400, "`prompt` must be a string or a list of token ids (one per request)")
 
 
-def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
-    """Token ids: chat `messages` through the chat template, or `prompt` (text or ids)."""
+def prompt_of(body: dict, tokenizer, chat: bool, tools: ToolRequest | None = None) -> list[int]:
+    """Token ids: chat `messages` and tools through the chat template, or `prompt` (text or ids)."""
     if not chat:
         return prompt_ids(body.get("prompt"), tokenizer)
     if not tokenizer.chat_template:
@@ -335,9 +342,27 @@ def prompt_of(body: dict, tokenizer, chat: bool) -> list[int]:
     if not isinstance(kwargs, dict):
         raise HTTPError(400, "`chat_template_kwargs` must be an object")
     try:
-        return tokenizer.apply_chat_template(chat_messages(body), **kwargs)
+        messages = template_messages(chat_messages(body), body["messages"], tokenizer.chat_template)
+        return tokenizer.apply_chat_template(messages, **{**kwargs, "tools": tools and tools.tools})
     except (ValueError, TemplateError) as e:
         raise HTTPError(400, f"cannot apply the chat template: {e}") from None
+
+
+def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolRequest | None,
+                                                                      dict | None]:
+    """The request's tools and the JSON schema its output must follow (grammar.py, tools.py)."""
+    if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        raise HTTPError(400, "`tools` need /v1/chat/completions")
+    try:
+        tools = ToolRequest.of(body, template) if chat else None
+        schema = response_format_schema(body.get("response_format"))
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+    forced = tools.json_schema() if tools else None
+    if forced is not None and schema is not None:
+        raise HTTPError(400, "`response_format` and a forced `tool_choice` both constrain the "
+                             "output; send one")
+    return tools, schema if forced is None else forced
 
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
@@ -393,6 +418,8 @@ class Reply:
     logprobs: bool  # asked for: each choice has a (maybe empty) list
     include_usage: bool = False
     reasoning: bool = False  # a reasoning parser splits the text: reasoning_content apart
+    tools: ToolRequest | None = None
+    tool_streams: dict = field(default_factory=dict)  # per choice: its ToolCallStream
     created: int = field(default_factory=lambda: int(time.time()))
     text_sent: Counter = field(default_factory=Counter)  # per choice: characters with logprobs sent
 
@@ -415,12 +442,28 @@ class Reply:
 
     def chunk(self, delta: ChoiceDelta, role: bool = False) -> dict:
         text = {"content": delta.text} if delta.text else {}
+        if self.tools and delta.text:
+            text = self.tool_stream(delta.index).feed(delta.text)
         if delta.reasoning:
             text["reasoning_content"] = delta.reasoning
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
         return self._object([choice], **({"usage": None} if self.include_usage else {}))
+
+    def tool_stream(self, index: int) -> ToolCallStream:
+        return self.tool_streams.setdefault(index, ToolCallStream(self.tools))
+
+    def finish_chunks(self, delta: ChoiceDelta) -> list[dict]:
+        """A choice's last chunks: the text its tool parser held (calls or content), the finish."""
+        if not self.tools:
+            return [self.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))]
+        parser = self.tool_stream(delta.index)
+        extra = {"usage": None} if self.include_usage else {}
+        held = [self._object([self._choice(delta.index, None, None, delta=d)], **extra)
+                for d in parser.finish()]
+        reason = parser.finish_reason(delta.finish_reason)
+        return held + [self.chunk(ChoiceDelta(delta.index, finish_reason=reason))]
 
     def usage_chunk(self, finished: list[ChoiceDelta]) -> dict:
         return self._object([], usage=self._usage(finished))
@@ -438,11 +481,15 @@ class Reply:
             text = "".join(e.text for e in mine)
             tokens = [t for e in mine for t in e.logprobs] if self.logprobs else None
             message = {"role": "assistant", "content": text}
+            reason = mine[-1].finish_reason
             if self.reasoning:  # as vLLM: null where there is none
                 reasoning = "".join(e.reasoning for e in mine)
                 message.update(content=text or None, reasoning_content=reasoning or None)
+            if self.tools:
+                message.update(self.tool_stream(i).message(text))
+                reason = self.tool_stream(i).finish_reason(reason)
             content = {"message": message} if self.chat else {"text": text}
-            out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))
+            out.append(self._choice(i, reason, tokens, **content))
         return self._object(out, whole=True, usage=self._usage(deltas))
 
 
@@ -618,18 +665,20 @@ class Handler(BaseHTTPRequestHandler):
         body = self._read_json()
         server = self.server
         check_fields(body, self.request_id)
-        ids = prompt_of(body, server.engine.tokenizer, chat)
+        tools, schema = constraints(body, server.engine.tokenizer.chat_template, chat)
+        ids = prompt_of(body, server.engine.tokenizer, chat, tools)
         stream = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
         include_usage = stream and flag(options, "include_usage")
-        params = sampling_params(body, ids, server.engine, server.defaults, chat)
+        params = sampling_params(body, ids, server.engine, {**server.defaults,
+                                                            "json_schema": schema}, chat)
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
         reasoning = server.reasoning_parser if chat else None
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                       server.engine.tokenizer, len(ids), params[0].logprobs is not None,
-                      include_usage, bool(reasoning))
+                      include_usage, bool(reasoning), tools)
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
@@ -666,7 +715,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._sse(reply.chunk(replace(delta, finish_reason=None)))
             # the finish in a chunk of its own, as OpenAI sends it
             if delta.finish_reason:
-                self._sse(reply.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason)))
+                for chunk in reply.finish_chunks(delta):
+                    self._sse(chunk)
                 done.append(delta)
         if reply.include_usage and len(done) == n:
             self._sse(reply.usage_chunk(done))
@@ -899,8 +949,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
         "may call the API (CORS), e.g. http://localhost:3000, or *")
     arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
-        f"token, beyond those the engine starts within {START_BOUND_S:g} s, past which new ones get "
-        "503 with a Retry-After from the measured rates (default: %(default)s)")
+        f"token (beyond those it starts within {START_BOUND_S:g} s) past which new ones get 503 "
+        "with a Retry-After from the measured rates (default: %(default)s)")
     arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
         "in-flight requests may take to finish (default: %(default)s)")
     arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])

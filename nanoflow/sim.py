@@ -180,23 +180,26 @@ class SimSwapper(Swapper):
         self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
         self.out, self.back = Lane(None, []), Lane(None, [])  # never in flight: time is modelled
         self.free_at = {"out": 0.0, "back": 0.0}  # when each direction's queue is done
+        self.filled_at: dict[int, float] = {}  # host block -> when the copy that fills it is done
         self.writing, self.counters = {}, Counter()
         self.async_copies = True  # the modelled link runs beside compute, as on a GPU
         self.link_tiers()
 
-    def _occupy(self, direction: str, num_blocks: int) -> float:
-        """When a copy queued now in this direction would be done."""
-        start = max(self.free_at[direction], self.clock())
+    def _occupy(self, direction: str, num_blocks: int, after: float = 0.0) -> float:
+        """When a copy queued now in this direction (starting no sooner than `after`) is done."""
+        start = max(self.free_at[direction], self.clock(), after)
         self.free_at[direction] = start + num_blocks * self.block_bytes / self.bandwidth
         return self.free_at[direction]
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
-        self._occupy("out", len(dev_ids))
+        self.filled_at.update(dict.fromkeys(host_ids, self._occupy("out", len(dev_ids))))
         self.counters["bytes_to_host"] += len(dev_ids) * self.block_bytes
 
     def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> VirtualEvent:
+        """A load starts once the copies that fill its host blocks are done (as Swapper._load)."""
         self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
-        return VirtualEvent(self._occupy("back", len(host_ids)), self.clock)
+        filled = max((self.filled_at.get(h, 0.0) for h in host_ids), default=0.0)
+        return VirtualEvent(self._occupy("back", len(host_ids), filled), self.clock)
 
     def pending_event(self) -> VirtualEvent | None:
         return VirtualEvent(max(self.free_at.values()), self.clock) if self.backlog() else None

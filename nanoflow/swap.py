@@ -234,9 +234,10 @@ class Swapper:
             def scatter(dst=torch.tensor(dst), staged=host, pool=self.host.kv_cache):
                 pool.index_copy_(0, dst, staged)
 
-            transfer = self._copy_chunk(self.out, "bytes_to_host", len(src),
-                                        lambda dev=dev, host=host: host.copy_(dev, non_blocking=True),
-                                        scatter)
+            def copy(dev=dev, host=host):
+                host.copy_(dev, non_blocking=True)
+
+            transfer = self._copy_chunk(self.out, "bytes_to_host", len(src), copy, scatter)
             if transfer:
                 transfer.host_ids = dst
                 self.writing.update(dict.fromkeys(dst, transfer))

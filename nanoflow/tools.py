@@ -1,0 +1,243 @@
+"""Tool calling: OpenAI's `tools` and `tool_choice` in, `tool_calls` out.
+
+`ToolRequest.of` checks a chat request's tools. They reach the chat template as HuggingFace's
+`apply_chat_template(tools=...)` passes them. With `tool_choice` "required" the output is
+constrained (grammar.py) to a JSON array of calls of offered tools, with a named function to that
+function's arguments, so that even a small model makes a valid call; with "auto" the model decides.
+`parse_tool_calls` reads a model's calls back: Hermes' and Qwen's `<tool_call>{...}</tool_call>`
+blocks, or Llama 3's bare JSON `{"name", "parameters"}` (one, an array, or several split by `;`);
+text that is not a valid call of an offered tool stays content. `ToolCallStream` does the same for
+one choice of a stream: content while the text cannot be a call, `tool_calls` deltas once it is.
+"""
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from .grammar import check_schema
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3 may open its calls with it
+BARE_STARTS = ("{", "[", PYTHON_TAG)
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolRequest:
+    """A chat request's offered functions and how it lets the model use them."""
+
+    tools: list[dict]  # as the body gives them: {"type": "function", "function": {...}}
+    choice: str  # "auto", "required", or the name of the function to call
+    parallel: bool = True  # several calls in one answer
+
+    @classmethod
+    def of(cls, body: dict, template: str | None) -> "ToolRequest | None":
+        """The request's tools, None if it has none or says "none"; a ValueError names the field."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if not tools:
+            if choice not in (None, "none", "auto"):
+                raise ValueError("`tool_choice` needs `tools`")
+            return None
+        if not isinstance(tools, list):
+            raise ValueError('`tools` must be a list of {"type": "function", "function": {...}}')
+        names = [_check_tool(i, t) for i, t in enumerate(tools)]
+        if len(set(names)) < len(names):
+            raise ValueError("`tools` names a function twice")
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            choice = (choice.get("function") or {}).get("name")
+            if choice not in names:
+                raise ValueError(f"`tool_choice` names {choice!r}, which `tools` does not offer")
+        elif choice not in (None, "none", "auto", "required"):
+            raise ValueError('`tool_choice` must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}')
+        if choice == "none":
+            return None
+        if choice in (None, "auto") and not knows_tools(template):
+            raise ValueError('`tool_choice: "auto"` lets the model decide, but this model\'s chat '
+                             'template cannot show it tools: use "required" or name a function')
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise ValueError("`parallel_tool_calls` must be true or false")
+        return cls(tools, choice or "auto", parallel)
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def json_schema(self) -> dict | None:
+        """The constraint on the output: none for "auto"; a named function's arguments; for
+        "required", an array of calls {"name", "arguments"} of offered functions."""
+        params = {t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS)
+                  for t in self.tools}
+        if self.choice != "required":
+            return params.get(self.choice)
+        call = [{"type": "object", "properties": {"name": {"const": name}, "arguments": p},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for name, p in params.items()]
+        # each function's $defs move to the root, where its "#/$defs/..." references point
+        defs = {k: v for p in params.values() for k, v in p.get("$defs", {}).items()}
+        return {"type": "array", "items": {"anyOf": call}, "minItems": 1,
+                **({"$defs": defs} if defs else {}), **({} if self.parallel else {"maxItems": 1})}
+
+
+def knows_tools(template: str | None) -> bool:
+    """Whether a chat template shows tools and calls (Llama 3.1+, Qwen2.5+, Hermes' all do)."""
+    return "tool_call" in (template or "")
+
+
+def _check_tool(i: int, tool) -> str:
+    f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(f, dict):
+        raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name", '
+                         '"parameters"}}')
+    name = f.get("name")
+    if not (isinstance(name, str) and NAME.fullmatch(name)):
+        raise ValueError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}: {name!r}")
+    try:
+        check_schema(f.get("parameters", NO_PARAMETERS))
+    except ValueError as e:
+        raise ValueError(f"tools[{i}].function.parameters: {e}") from None
+    return name
+
+
+def template_messages(messages: list[dict], given: list[dict], template: str) -> list[dict]:
+    """`messages` (checked, text content) with the assistant's `tool_calls` and the tool results'
+    `tool_call_id` of the `given` ones: as HuggingFace passes them (arguments as objects) to a
+    template that knows tools, as `<tool_call>` text in the content of one that does not."""
+    knows = knows_tools(template)
+    out = []
+    for i, (m, g) in enumerate(zip(messages, given)):
+        calls = [_message_call(i, j, c) for j, c in enumerate(g.get("tool_calls") or [])]
+        if calls and knows:
+            m = {**m, "tool_calls": [{"type": "function", "function": c} for c in calls]}
+        elif calls:
+            text = [f"{CALL_START}\n{json.dumps(c)}\n{CALL_END}" for c in calls]
+            m = {**m, "content": "\n".join([m["content"], *text]).strip()}
+        if knows and isinstance(g.get("tool_call_id"), str):
+            m = {**m, "tool_call_id": g["tool_call_id"]}
+        out.append(m)
+    return out
+
+
+def _message_call(i: int, j: int, call) -> dict:
+    f = call.get("function") if isinstance(call, dict) else None
+    args = f.get("arguments", "{}") if isinstance(f, dict) else None
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        args = None
+    if not (isinstance(f.get("name") if f else None, str) and isinstance(args, dict)):
+        raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name and function."
+                         "arguments (a JSON object, or that object as a string)")
+    return {"name": f["name"], "arguments": args}
+
+
+def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
+    """(content, OpenAI tool_calls) of a model's answer; ("the text", []) unless every call found
+    is a valid call of an offered function."""
+    if CALL_START in text:
+        pieces = re.split(f"{re.escape(CALL_START)}(.*?)(?:{re.escape(CALL_END)}|$)", text,
+                          flags=re.S)
+        content, blocks = "".join(pieces[::2]).strip(), pieces[1::2]
+    else:
+        bare = text.strip().removeprefix(PYTHON_TAG)
+        content, blocks = "", (_bare_json(bare) if bare.startswith(("{", "[")) else None)
+    calls = [_call(b) for b in blocks or []]
+    if not calls or not all(c and c[0] in names for c in calls):
+        return text, []
+    return content, [new_call(name, json.dumps(args)) for name, args in calls]
+
+
+def _bare_json(text: str) -> list | None:
+    """The JSON values of Llama 3's answer: objects, arrays of them, separated by ';' or spaces."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values += value if isinstance(value, list) else [value]
+        at = len(text) - len(text[at:].lstrip().removeprefix(";").lstrip())
+    return values
+
+
+def _call(block) -> tuple[str, dict] | None:
+    """(name, arguments) of one call, given as JSON text or a parsed value."""
+    if isinstance(block, str):
+        try:
+            block = json.loads(block)
+        except ValueError:
+            return None
+    if not isinstance(block, dict):
+        return None
+    args = block.get("arguments", block.get("parameters"))
+    return (block.get("name"), args) if isinstance(args, dict) else None
+
+
+def new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class ToolCallStream:
+    """One choice's text in, chat message deltas out. A named function's arguments stream as the
+    model writes them; other calls are held from where they may start and parsed at the end."""
+
+    tools: ToolRequest
+    text: str = ""
+    sent: int = 0  # characters of text sent as content
+    calls: list = field(default_factory=list)
+
+    def feed(self, text: str) -> dict:
+        """The delta to send for new text: content, arguments, or nothing yet."""
+        self.text += text
+        if self.tools.choice not in ("auto", "required"):
+            if self.calls:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            self.calls = [new_call(self.tools.choice, "")]
+            return {"tool_calls": [{"index": 0, **self.calls[0], "function": {
+                "name": self.tools.choice, "arguments": text}}]}
+        stripped = self.text.lstrip()
+        if not self.sent and any(s.startswith(stripped) or stripped.startswith(s)
+                                 for s in BARE_STARTS):
+            return {}  # a bare JSON call may be starting
+        end = self._content_end()
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return {"content": piece} if piece else {}
+
+    def _content_end(self) -> int:
+        """Where a call starts, or may start (a prefix of its tag ends the text); else the end."""
+        at = self.text.find(CALL_START, self.sent)
+        if at >= 0:
+            return at
+        partial = [k for k in range(1, len(CALL_START)) if self.text.endswith(CALL_START[:k])]
+        return len(self.text) - max(partial, default=0)
+
+    def finish(self) -> list[dict]:
+        """The deltas of the text held back: each call's id and name, then its arguments; or the
+        text as content if it holds no valid call."""
+        if self.tools.choice not in ("auto", "required"):
+            return []
+        content, self.calls = parse_tool_calls(self.text[self.sent:], self.tools.names)
+        deltas = [{"content": content}] if content else []
+        for i, c in enumerate(self.calls):
+            head = {"index": i, **c, "function": {"name": c["function"]["name"], "arguments": ""}}
+            deltas += [{"tool_calls": [head]},
+                       {"tool_calls": [{"index": i, "function": {"arguments":
+                                                                 c["function"]["arguments"]}}]}]
+        return deltas
+
+    def message(self, text: str) -> dict:
+        """The whole answer's content and tool_calls (OpenAI's content is null beside calls)."""
+        if self.tools.choice not in ("auto", "required"):
+            self.calls = [new_call(self.tools.choice, text)]
+            return {"content": None, "tool_calls": self.calls}
+        content, self.calls = parse_tool_calls(text, self.tools.names)
+        return {"content": content or None, "tool_calls": self.calls} if self.calls else {
+            "content": content}
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.calls and reason == "stop" else reason

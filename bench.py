@@ -9,6 +9,7 @@ the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compare
 """
 
 import argparse
+import copy
 import csv
 import dataclasses
 import functools
@@ -39,6 +40,7 @@ import torch
 from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
+from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
@@ -57,6 +59,7 @@ PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60%
 DEMAND_SHARE = 0.7
 CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its outputs are short
 SPEED_SHARE = 0.5
+GOOD_SHARE = 0.97  # --find-replicas: the share of requests that must reach QoE >= 0.95
 DEFAULT_KV_FRAC = 0.3  # device KV pool: this share of what the whole burst needs at full length
 BLOCK_SIZE = 16
 PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode speed
@@ -321,6 +324,38 @@ def drive(engine, w: Workload, label: str) -> Run:
                time.monotonic() - wall, reqs)
 
 
+def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
+    """w on --replicas copies of the warmed-up engine behind the router (nanoflow/fleet.py)."""
+    engines = [copy.deepcopy(engine) for _ in range(args.replicas)]
+    before, wall = engine.stats(), time.monotonic()
+    reqs, _, start = simulate(engines, w, make_router(router, args.seed), args.scrape_interval)
+    counters = {k: sum(e.stats()[k] - before[k] for e in engines) for k in COUNTERS}
+    return Run(f"{router}/{label}", [r.record() for r in reqs], start + w.arrival[0], counters,
+               time.monotonic() - wall, reqs)
+
+
+def find_replicas(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
+    """The fleet with the fewest replicas where >= GOOD_SHARE of requests reach QoE >= 0.95: from
+    --replicas, doubling until one does, then bisecting. Prints every size tried (the curve)."""
+    runs = {}
+
+    def good(n: int) -> bool:
+        runs[n] = drive_fleet(engine, w, label, router, argparse.Namespace(**{**vars(args),
+                                                                             "replicas": n}))
+        return runs[n].summary["qoe_good_share"] >= GOOD_SHARE
+
+    low, high = 0, args.replicas
+    while not good(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if good(middle) else (middle, high)
+    curve = ", ".join(f"{n}: {r.summary['qoe_good_share']:.0%}" for n, r in sorted(runs.items()))
+    print(f"{router}/{label}: {high} replicas (QoE >= 0.95 share by replicas: {curve})")
+    runs[high].name += f" x{high}"
+    return runs[high]
+
+
 def http_call(url: str, method: str, path: str, body: dict | None = None):
     """A request to the server at url (with or without /v1); the response, headers read."""
     parts = urlsplit(url)
@@ -420,8 +455,12 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
                         probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
                         rates=f"{args.read_rate} (as given)")
             if args.read_rate == "auto":
-                w, info["rates"] = auto_rates(w, speed, capacity)
-        runs.append(drive(engine, w, policy))
+                w, info["rates"] = auto_rates(w, speed, capacity * (args.replicas or 1))
+        if args.replicas:
+            run_fleet = find_replicas if args.find_replicas else drive_fleet
+            runs += [run_fleet(engine, w, policy, r, args) for r in args.router.split(",")]
+        else:
+            runs.append(drive(engine, w, policy))
         del engine
         free_device_memory()
     return runs, w, info
@@ -462,7 +501,7 @@ def shown(s: dict) -> dict:
 
 def table(runs: list[Run]) -> str:
     sums = list(map(shown, (r.summary for r in runs)))
-    ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) > 1 else []
+    ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) == 2 else []
     lines = [[""] + [r.name for r in runs] + ratio]
     for label, key, fmt in ROWS:
         ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if ratio else []
@@ -933,6 +972,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
     add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
         help="--simulate's cost model: %(choices)s (default: %(default)s)")
+    add("--replicas", type=int, metavar="N", help="--simulate a fleet of N replicas behind "
+        "--router (docs/fleet.md)")
+    add("--router", default="least-queue", help=f"--replicas: {', '.join(ROUTERS)}, or several "
+        "with commas, each run in turn (default: %(default)s)")
+    add("--find-replicas", action="store_true", help="--replicas: search the fewest replicas "
+        f"where {GOOD_SHARE:.0%} of requests reach QoE >= 0.95, from --replicas up or down")
+    add("--scrape-interval", type=float, default=1.0, help="--replicas: s between the router's "
+        "scrapes of /metrics (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
     add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
@@ -972,6 +1019,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--conversations takes the conversations of a Mooncake trace (--trace *.jsonl)")
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
+    if args.replicas is not None and (not args.simulate or args.multi_turn or args.replicas < 1
+                                      or args.scrape_interval <= 0):
+        ap.error("--replicas N (>= 1) needs --simulate and no --multi-turn; --scrape-interval > 0")
+    if not set(args.router.split(",")) <= set(ROUTERS):
+        ap.error(f"--router: choose from {', '.join(ROUTERS)}")
     if args.http and (args.read_rate == "auto" or args.multi_turn):
         ap.error("--http needs --read-rate (auto measures an engine in this process) and no "
                  "--multi-turn (a later turn needs the answer's tokens)")

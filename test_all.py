@@ -4303,3 +4303,147 @@ def test_regime_guard(row, extra, recorded):
     assert tokenflow["ttft_p99"] / fcfs["ttft_p99"] <= 1.1 * ttft_ratio
     assert tokenflow["qoe_good_share"] >= 0.9 * qoe_share
     assert tokenflow["ttft_slo_share"] >= 0.9 * slo_share
+
+
+# ------------------------------------------------ issue 30: a fleet of replicas behind the routers people run
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from nanoflow import fleet  # noqa: E402
+from nanoflow.metrics import Metrics  # noqa: E402
+
+
+def parsed_metrics(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, as Prometheus' own parser reads /metrics."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_fleet_metrics_carry_vllms_gauges_and_the_buffer_signal():
+    """A known queue and pool: 6 requests on 10 blocks of 16 tokens (3 blocks each at full length) run 3,
+    queue 3; the gauges under vLLM's names and the buffer signal match the engine's state."""
+    engine = sim_engine("h200-llama3-8b", "tokenflow", num_kv_blocks=10, host_kv_gb=0)
+    rates = [5.0, 10.0, 20.0, 40.0, 8.0, 8.0]
+    for rate in rates:
+        engine.add_request([1] * 30, SamplingParams(max_tokens=16, ignore_eos=True, read_rate=rate))
+    for _ in range(3):
+        engine.step()
+    s = engine.scheduler
+    assert len(s.running) == 3 and len(s.waiting) == 3  # admission keeps room for the outputs
+    used = sum(len(r.block_table) for r in s.running)
+    got = parsed_metrics(Metrics().render(engine.stats(buffer_signal=True), 0, model_name='my "model"'))
+    label = (("model_name", 'my "model"'),)
+    assert got[("vllm:num_requests_waiting", label)] == 3
+    assert got[("vllm:num_requests_running", label)] == 3
+    assert got[("vllm:kv_cache_usage_perc", label)] == pytest.approx(used / 10)
+    assert got[("nanoflow_reader_demand_tokens_per_second", ())] == sum(rates)
+    # the capacity by hand: the started requests at their mean size over the rest of their lives
+    started = [r for r in s.running if r.started]
+    size = sum(r.num_tokens + r.num_tokens_left / 2 for r in started)
+    batch = min(s.max_num_seqs, 10 * 16 * len(started) / size)
+    capacity = batch / s.rates.decode_time(batch)
+    assert got[("nanoflow_capacity_tokens_per_second", ())] == pytest.approx(capacity)
+    assert got[("nanoflow_past_capacity", ())] == (sum(rates) > capacity)
+    now = engine.clock()  # a reader with less than TokenFlow's interval (1.5 s) of buffer runs dry soon
+    assert got[("nanoflow_readers_dry_soon", ())] == sum(r.dry_at < now + 1.5 for r in started) > 0
+    assert "nanoflow_capacity_tokens_per_second" not in Metrics().render(engine.stats(), 0)  # asked only
+
+
+def test_fleet_server_metrics_turn_the_buffer_signal_on_at_the_first_scrape(server):
+    first = call(server, "GET", "/metrics")[2]
+    assert 'vllm:num_requests_running{model_name="tiny"} 0' in first
+    wait_for(lambda: "nanoflow_reader_demand_tokens_per_second 0" in call(server, "GET", "/metrics")[2], 10)
+
+
+def fleet_workload(*flags: str):
+    return bench.build_workload(bench.parse_args(["--read-rate", "10:0.5,30:0.5", "--seed", "3", *flags]))
+
+
+@pytest.mark.parametrize("router", list(fleet.ROUTERS))
+def test_fleet_of_one_is_the_single_engine(router):
+    w = fleet_workload("--poisson", "20", "--duration", "2", "--prompt-len", "200:50", "--output-len", "40:10")
+    alone = bench.drive(sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64), w, "alone")
+    reqs, where, start = fleet.simulate([sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64)], w,
+                                        fleet.make_router(router), scrape_interval=0.3)
+    assert where == [0] * len(w) and start == 0.0 and len(w) > 20
+    assert [r.token_times for r in reqs] == [r.token_times for r in alone.records]
+    assert sum(r.num_preemptions for r in reqs) == sum(r.num_preemptions for r in alone.requests) > 0
+
+
+class Watching(fleet.LeastQueue):
+    """Least-queue that checks, at each pick, what the router saw and where every replica's clock is."""
+
+    def __init__(self, engines, w):
+        super().__init__()
+        self.engines, self.arrivals, self.picks = engines, iter(sorted(w.arrival)), []
+
+    def pick(self, views):
+        k = super().pick(views)
+        now = next(self.arrivals)
+        for e in self.engines:  # a busy replica is at the arrival or within a step past it; idle ones wait
+            assert (now <= e.clock() < now + 0.1) if e.has_unfinished() else e.clock() <= now + 0.1
+        queues = [v.scrape["waiting"] + v.sent for v in views]
+        self.picks.append((queues, k, [v.scrape for v in views]))
+        return k
+
+
+def test_fleet_routers_spread_and_least_queue_follows_the_last_scrape():
+    w = fleet_workload("--burst", "9", "--prompt-len", "100", "--output-len", "20")
+    engines = [sim_engine("h200-llama3-8b", "fcfs") for _ in range(3)]
+    _, where, _ = fleet.simulate(engines, w, fleet.make_router("round-robin"))
+    assert Counter(where) == {0: 3, 1: 3, 2: 3}  # a burst evenly
+
+    w = fleet_workload("--poisson", "40", "--duration", "4", "--prompt-len", "2000:500", "--output-len", "64")
+    engines = [sim_engine("h200-llama3-8b", "fcfs", num_kv_blocks=400) for _ in range(3)]
+    router = Watching(engines, w)
+    reqs, where, _ = fleet.simulate(engines, w, router, scrape_interval=0.5)
+    assert all(r.is_finished for r in reqs) and len(set(where)) == 3
+    for queues, k, _ in router.picks:
+        assert queues[k] == min(queues)  # never a longer queue than another's, as of the last scrape
+    scrapes = [id(scrape) for _, _, views in router.picks for scrape in views[:1]]
+    assert 1 < len(set(scrapes)) <= 4 * 2 + 2  # stale in between: one scrape per 0.5 s of arrivals
+    assert max(max(queues) for queues, _, _ in router.picks) > 0  # queues did form
+
+
+def test_fleet_buffer_router_prefers_headroom():
+    def view(capacity, demand, waiting):
+        return fleet.View({"capacity_tokens_per_second": capacity, "reader_demand_tokens_per_second": demand,
+                           "waiting": waiting, "device_blocks_free": 1, "device_blocks_total": 2})
+
+    router = fleet.make_router("buffer")
+    # past capacity loses to a longer queue within it; equal queues: the most headroom
+    assert router.pick([view(100, 120, 0), view(100, 50, 2)]) == 1
+    assert router.pick([view(100, 90, 1), view(200, 90, 1), view(100, 10, 1)]) == 1
+    views = [view(100, 60, 0), view(100, 50, 0)]
+    views[1].sent, views[1].sent_demand = 0, 45.0  # what it sent since the scrape counts against it
+    assert router.pick(views) == 0
+    assert fleet.make_router("least-queue").pick([view(100, 120, 0), view(100, 50, 2)]) == 0
+    with pytest.raises(ValueError, match="unknown router 'random'"):
+        fleet.make_router("random")
+
+
+def test_fleet_bench_table(tmp_path, capsys):
+    path = tmp_path / "fleet.json"
+    bench.main(["--simulate", "--preset", "cpu-smollm2", *BENCH_WORKLOAD, "--read-rate", "15", "--replicas", "2",
+                "--router", "round-robin,buffer", "--policies", "fcfs", "--uncharged", "--json", str(path)])
+    policies = json.loads(path.read_text())["policies"]
+    assert list(policies) == ["round-robin/fcfs", "buffer/fcfs"] and "round-robin/fcfs" in capsys.readouterr().out
+    assert all(m["completed"] == 4 and 0 <= m["qoe_good_share"] <= 1 for m in policies.values())
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--burst", "4", "--replicas", "2"])  # a fleet is simulated
+
+
+def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
+    """Doubling from --replicas until a size is good, then bisecting: here sizes from 5 up are good."""
+    tried = []
+
+    def fake(engine, w, label, router, args):
+        tried.append(args.replicas)
+        return bench.Run(f"{router}/{label}", [], 0.0)
+
+    monkeypatch.setattr(bench, "drive_fleet", fake)
+    monkeypatch.setattr(bench.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5}))
+    args = bench.parse_args(["--simulate", "--burst", "4", "--replicas", "2", "--find-replicas"])
+    run = bench.find_replicas(None, None, "fcfs", "buffer", args)
+    assert tried == [2, 4, 8, 6, 5] and run.name == "buffer/fcfs x5"
+    assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out

@@ -165,8 +165,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict[str, int]:
-        """Counters since start and the state of the queues and pools now."""
+    def stats(self, buffer_signal: bool = False) -> dict[str, int]:
+        """Counters since start and the state of the queues and pools now (and the buffer signal,
+        for a router: computed only when asked)."""
         s = self.scheduler
         swapper = s.swapper
         host = swapper.host if swapper else None
@@ -180,7 +181,8 @@ class Engine:
                 "device_blocks_cached": len(self.kv.evictable),
                 "device_blocks_total": self.kv.num_blocks,
                 "host_blocks_free": host.num_free if host else 0,
-                "host_blocks_total": host.num_blocks if host else 0}
+                "host_blocks_total": host.num_blocks if host else 0,
+                **(s.buffer_signal() if buffer_signal else {})}
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""

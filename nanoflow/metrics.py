@@ -14,7 +14,9 @@ import torch
 
 TTFT_TARGET = 1.3  # s: past it users disengage (TokenFlow's user study); Andes' QoE target
 TTFT_SLO = 2.0  # s: the bench's TTFT SLO on a GPU (--ttft-slo); a request without a token misses it
-ENGINE_GAUGES = {"running", "waiting", "preempted"}  # engine.stats() levels; the rest are counts
+# engine.stats() levels (the last four: the buffer signal, docs/scheduling.md); the rest are counts
+ENGINE_GAUGES = {"running", "waiting", "preempted", "reader_demand_tokens_per_second",
+                 "capacity_tokens_per_second", "readers_dry_soon", "past_capacity"}
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s: users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s readers need < 0.125
 
@@ -132,6 +134,7 @@ class Metrics:
                               TTFT_BUCKETS)
         self.tbt = Histogram("nanoflow_time_between_tokens_seconds",
                              "Gap between consecutive tokens.", TBT_BUCKETS)
+        self.scraped = False  # once true, every engine snapshot carries the buffer signal
         self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled "
                                   "(docs/scheduling.md).", TTFT_BUCKETS)
 
@@ -151,7 +154,7 @@ class Metrics:
             for a, b in zip(record.token_times, record.token_times[1:]):
                 self.tbt.observe(b - a)
 
-    def render(self, stats: dict, num_queued: int) -> str:
+    def render(self, stats: dict, num_queued: int, model_name: str = "nanoflow") -> str:
         with self.lock:
             out = ["# HELP nanoflow_requests_total Requests by outcome: finish reason, or the "
                    "error code.", "# TYPE nanoflow_requests_total counter"]
@@ -163,7 +166,7 @@ class Metrics:
                     "with --max-waiting).", "# TYPE nanoflow_queued_requests gauge",
                     f"nanoflow_queued_requests {num_queued}"]
             out += self.ttft.lines() + self.tbt.lines() + self.rebuffer.lines()
-        return "\n".join(out + engine_lines(stats)) + "\n"
+        return "\n".join(out + engine_lines(stats) + vllm_lines(stats, model_name)) + "\n"
 
 
 def engine_lines(stats: dict) -> list[str]:
@@ -180,3 +183,21 @@ def engine_lines(stats: dict) -> list[str]:
             used = f"nanoflow_{key.removesuffix('_free')}_used"
             out += [f"# TYPE {used} gauge", f"{used} {total - value}"]
     return out
+
+
+def vllm_lines(stats: dict, model_name: str) -> list[str]:
+    """The gauges routers read from vLLM (the Gateway API endpoint picker, production-stack), by
+    vLLM's names: a router configured for vLLM routes to nanoflow unchanged (docs/fleet.md)."""
+    if "running" not in stats:
+        return []
+    values = {"num_requests_waiting": stats["waiting"], "num_requests_running": stats["running"],
+              "kv_cache_usage_perc": kv_usage(stats)}
+    label = model_name.replace("\\", "\\\\").replace('"', '\\"')
+    return [line for name, value in values.items() for line in
+            (f"# TYPE vllm:{name} gauge", f'vllm:{name}{{model_name="{label}"}} {value}')]
+
+
+def kv_usage(stats: dict) -> float:
+    """The share of device KV blocks in use, in [0, 1] (cached unreferenced blocks count as free,
+    as in vLLM)."""
+    return 1 - stats["device_blocks_free"] / max(1, stats["device_blocks_total"])

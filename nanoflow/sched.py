@@ -248,6 +248,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def buffer_signal(self) -> dict[str, float]:
+        """What a router may score on (docs/scheduling.md, "The buffer signal")."""
+        now, readers = self.clock(), self.running + list(self.waiting)
+        started = [r for r in readers if r.started]
+        # FCFS has no interval of its own: TokenFlow's default
+        horizon = getattr(self.policy, "config", TokenFlowConfig).interval
+        demand = sum(r.read_rate for r in readers)
+        capacity = self.policy.capacity(self, started)
+        return {"reader_demand_tokens_per_second": demand,
+                "capacity_tokens_per_second": capacity, "past_capacity": int(demand > capacity),
+                "readers_dry_soon": sum(r.dry_at < now + horizon for r in started)}
+
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's (request, number of new tokens), decodes first."""
         now = self.clock()
@@ -465,6 +477,20 @@ class FCFS:
         left = min(req.num_tokens_left, self.fcfs.clip_max_new_tokens)
         return s.blocks_to_decode(req) * s.kv.block_size + int(left * self.new_token_ratio)
 
+    def capacity(self, s: Scheduler, started: list[Request], share: float = 1.0) -> float:
+        """`share` of the engine's measured tokens/s at the batch its memory holds (TokenFlow's
+        working set takes capacity_share of it; the buffer signal reports all of it)."""
+        batch = self.batch_that_fits(s, started)
+        return share * batch / s.rates.decode_time(batch)
+
+    def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
+        """Requests the device holds at their mean size over the rest of their lives."""
+        if not started:
+            return float(s.max_num_seqs)
+        clip = self.fcfs.clip_max_new_tokens
+        size = sum(r.num_tokens + min(r.num_tokens_left, clip) / 2 for r in started)
+        return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
+
     def victim(self, s: Scheduler, now: float) -> Request:
         """SGLang's order: the least output, then the longest prompt (the cheapest to redo)."""
         return min(s.running, key=lambda r: (r.num_output_tokens, -len(r.prompt_token_ids)))
@@ -539,8 +565,7 @@ class TokenFlow(FCFS):
         self.last_rebalance = now
         urgency = {r: self.urgency(s, r, now) for r in itertools.chain(s.running, s.waiting)}
         started = [r for r in urgency if r.started]
-        batch = self.batch_that_fits(s, started)
-        capacity = self.config.capacity_share * batch / s.rates.decode_time(batch)
+        capacity = self.capacity(s, started, self.config.capacity_share)
         self.overloaded = sum(r.read_rate for r in started) > capacity
         members = self.working_set(s, started, capacity, urgency)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
@@ -566,14 +591,6 @@ class TokenFlow(FCFS):
                 seats -= 1
                 link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
         return out
-
-    def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
-        """Requests the device holds at their mean size over the rest of their lives."""
-        if not started:
-            return float(s.max_num_seqs)
-        clip = self.fcfs.clip_max_new_tokens
-        size = sum(r.num_tokens + min(r.num_tokens_left, clip) / 2 for r in started)
-        return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
 
     def working_set(self, s: Scheduler, started: list[Request], capacity: float,
                     urgency: dict[Request, tuple[int, float]]) -> list[Request]:

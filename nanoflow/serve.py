@@ -195,7 +195,7 @@ class EngineLoop(threading.Thread):
                 self._abort_all(HTTPError(500, "the engine failed: see the server log"))
                 continue
             # before the deltas, so that a finished client sees its blocks free
-            self.snapshot = self.engine.stats()
+            self.snapshot = self.engine.stats(self.metrics.scraped)
             for req in stepped:
                 self._publish(self.choices[req.request_id])
             self.live.observe(stepped)
@@ -216,7 +216,7 @@ class EngineLoop(threading.Thread):
                 return False
             call()
         if calls:
-            self.snapshot = self.engine.stats()
+            self.snapshot = self.engine.stats(self.metrics.scraped)
             self.live.observe([], fresh=True)  # viewers see new requests before a long step
         return True
 
@@ -606,8 +606,11 @@ class Handler(BaseHTTPRequestHandler):
              "max_model_len": server.engine.max_model_len} for name in server.model_names]})
 
     def metrics(self) -> None:
-        loop = self.server.loop
-        text = self.server.metrics.render(loop.snapshot, loop.num_queued)
+        loop, metrics = self.server.loop, self.server.metrics
+        if not metrics.scraped:  # a router watches: from now on each step computes the signal
+            metrics.scraped = True
+            loop.inbox.put(lambda: None)  # (an idle engine thread too, to refresh its snapshot)
+        text = metrics.render(loop.snapshot, loop.num_queued, self.server.model_names[0])
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     def live_page(self) -> None:

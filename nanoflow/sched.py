@@ -257,18 +257,29 @@ class Scheduler:
             self.policy.admit(self, scheduled, budget, now)
         if self.swapper:
             self.swapper.demote()  # the cached blocks taken this step keep their KV on host
-        # a request started without room for a token waits for the next step
-        return sorted(((r, n) for r, n in scheduled.items() if n > 0), key=lambda item: item[1] > 1)
+        # decodes first; a request started without room for a token waits for the next step
+        items = scheduled.items()
+        return [(r, n) for r, n in items if n == 1] + [(r, n) for r, n in items if n > 1]
 
     def _schedule_running(self, now: float) -> tuple[dict[Request, int], int, bool]:
         """Tokens for the running requests; the budget left; whether memory ran short."""
         budget = self.policy.token_budget(self, now)
         short = False
         scheduled = {}
-        for req in sorted(self.running, key=lambda r: r.num_new_tokens != 1):
-            if budget == 0 or req.status != RequestStatus.RUNNING or not loaded(req):
-                continue  # out of budget, preempted for an older one, or its KV is on its way
-            n = min(req.num_new_tokens, budget)
+        # runs once per request per step: attributes, not properties; decodes, then prompt chunks
+        order = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
+        order += [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]
+        bs = self.kv.block_size
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING or not loaded(req):
+                continue  # preempted for an older one, or its KV is on its way
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.num_computed_tokens + n <= len(req.block_table) * bs:
+                scheduled[req] = n  # its last block has room: most decodes
+                budget -= n
+                continue
             while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
                 if self.kv.pending_free:
                     # evicted blocks come back once their copies are done: wait, don't evict more
@@ -395,8 +406,10 @@ class Scheduler:
         """Learn from the step just run; the policy may copy freshly filled blocks to host."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
         if self.enable_prefix_caching:
-            for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
-                self._cache_full_blocks(req)
+            bs = self.kv.block_size
+            for req in self.running:  # blocks being loaded are not shared yet
+                if req.num_computed_tokens // bs > req.num_cached_blocks and loaded(req):
+                    self._cache_full_blocks(req)  # a block filled: ~1 step in block_size
         self.policy.after_step(self)
 
 
@@ -604,7 +617,9 @@ class TokenFlow(FCFS):
         slack = req.dry_at - now
         if req.status == RequestStatus.RUNNING and slack > 0:
             slack *= 1 - self.config.hysteresis
-        return (0 if slack < self.lead(self.switch_time(s, req)) else 2), now + slack
+        # a switch takes at least an interval and a step: below that, no need to estimate it
+        soon = slack < self.lead(self.config.interval + s.step_time())
+        return (0 if soon or slack < self.lead(self.switch_time(s, req)) else 2), now + slack
 
     def lead(self, switch: float) -> float:
         """How long before running dry a request must be back: a switch and an interval."""
@@ -694,7 +709,10 @@ class TokenFlow(FCFS):
         """Write filled blocks to host, largest buffers first, while a preemption may come."""
         super().after_step(s)
         if s.swapper and self.under_pressure(s):
-            by_buffer = sorted(s.running, key=lambda r: -r.dry_at)
+            # only those that filled a block since their last copy have something to write
+            bs = s.kv.block_size
+            filled = [r for r in s.running if r.num_computed_tokens // bs > r.num_host_tokens // bs]
+            by_buffer = sorted(filled, key=lambda r: -r.dry_at)
             s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))
 
     def under_pressure(self, s: Scheduler) -> bool:

@@ -390,7 +390,8 @@ def engine_factory(args: argparse.Namespace, w: Workload):
     if args.simulate:
         make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
                                  tokenflow=args.tokenflow, charge_scheduler=not args.uncharged,
-                                 host_kv_gb=args.host_kv_gb,
+                                 host_kv_gb=args.host_kv_gb, jitter=args.jitter,
+                                 seed=args.jitter_seed,
                                  enable_prefix_caching=args.enable_prefix_caching)
         return make, f"simulated: {PRESETS[args.preset]().describe()}"
     host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
@@ -523,6 +524,7 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
     ("azure code trace", f"--trace {TRACE} {MIX}"),
     ("azure code trace x4 speed", f"--trace {TRACE} --time-scale 0.25 {MIX}"),
 ]
+REPEAT_JITTER = 0.03  # --matrix --repeat: step times vary by up to 3% (uniformly), as on a GPU
 # the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
 BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
        ("effective_throughput", -1, 0.95, 0.0)]
@@ -550,19 +552,22 @@ def run_matrix(rows: list[tuple[str, str, dict]], base: str = MATRIX_BASE):
         yield name, fcfs, tokenflow, verdict(fcfs, tokenflow, dict(*targets))
 
 
-def matrix_row(name: str, f: dict, t: dict, misses: list[str]) -> str:
+def matrix_row(name: str, f: dict, t: dict, misses: list[str], runs: str = "") -> str:
     """One markdown row: fcfs -> tokenflow for the bar's metrics, and the verdict."""
     ratio = lambda key: f"{t[key] / f[key]:.2f}x" if f[key] else "-"  # noqa: E731
     verdict = "pass" if not misses else "FAIL: " + "; ".join(misses)
+    verdict = f"{runs}; worst run: {verdict}" if runs else verdict
     return (f"| {name} | {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} | {f['rebuffer_mean']:.2f} -> "
             f"{t['rebuffer_mean']:.2f} | {ratio('effective_throughput')} | {ratio('throughput')} | "
             f"{f['qoe_good_share']:.0%} -> {t['qoe_good_share']:.0%} | "
             f"{f['ttft_slo_share']:.0%} -> {t['ttft_slo_share']:.0%} | {verdict} |")
 
 
-def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
-    """Wall time of one schedule() call with N requests running and N/8 waiting (simulator)."""
-    print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>15}")
+def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> None:
+    """CPU time (this process's: the machine may be shared) of one schedule() call, of a full
+    rebalance and of after_step() with N requests running and N/8 waiting (simulator)."""
+    print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>16} "
+          f"{'ms after step':>14}")
     params = SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20)
     for policy, n in itertools.product(POLICIES, sizes):
         engine = build_engine("h200-llama3-8b", policy, num_kv_blocks=n * 300)
@@ -574,17 +579,20 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024), steps: int = 200) -> None:
             engine.step()
         for _ in range(20):  # a few decodes, so that readers have buffers
             engine.step()
-        spent = 0.0
+        deciding = after = 0.0
         for _ in range(steps):
-            spent += seconds(s.schedule)
+            deciding += cpu_seconds(s.schedule)
+            engine.clock.advance_to(engine.clock() + 0.01)
             for req in s.running:  # what the step would have done: one more token each
                 req.num_computed_tokens = req.num_tokens
                 req.append(0, engine.clock())
-            engine.clock.advance_to(engine.clock() + 0.01)
+            after += cpu_seconds(lambda: s.after_step(0.01, 0, len(s.running)))
         rebalance = "-"
         if isinstance(s.policy, TokenFlow):  # one full rebalance (working set, sort, fill, victims)
-            rebalance = f"{seconds(lambda: full_rebalances(s, engine.clock(), 10)) / 10 * 1e3:.3f}"
-        print(f"{policy:>10} {n:>8} {spent / steps * 1e3:>16.3f} {rebalance:>15}")
+            spent = cpu_seconds(lambda: full_rebalances(s, engine.clock(), 10))
+            rebalance = f"{spent / 10 * 1e3:.3f}"
+        print(f"{policy:>10} {n:>8} {deciding / steps * 1e3:>16.3f} {rebalance:>16} "
+              f"{after / steps * 1e3:>14.3f}")
 
 
 def full_rebalances(s, now: float, times: int) -> None:
@@ -625,6 +633,12 @@ def seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def cpu_seconds(fn) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def copy_bandwidth() -> float:
@@ -893,6 +907,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
         help="--simulate's cost model: %(choices)s (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
+    add("--jitter", type=float, default=0.0, metavar="F", help="--simulate: each step's time "
+        f"times a random factor in [1-F, 1+F] (default: 0; {REPEAT_JITTER} with --repeat)")
+    add("--jitter-seed", type=int, default=0, help="seeds --jitter (default: 0)")
+    add("--repeat", type=int, default=1, metavar="K", help="--matrix: each row K times (jitter "
+        "seeds 0..K-1): its worst run and how many of K pass")
     add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
@@ -910,7 +929,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--vs-transformers", action="store_true", help="LLM.generate against transformers'")
     add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
         "by name) under both policies: a verdict per row")
-    add("--sched-cost", action="store_true", help="time a decision at 256 and 1024 running")
+    add("--sched-cost", action="store_true", help="time a decision at 256, 1024 and 4096 running")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
@@ -987,11 +1006,19 @@ def serving_bench(args: argparse.Namespace) -> None:
 
 
 def matrix(args: argparse.Namespace) -> None:
-    print(f"trace: {TRACE_CREDIT}\n{MATRIX_BASE} plus each row's arguments\n{MATRIX_HEAD}")
+    """Each row once, or --repeat K times with seeds 0..K-1 of the step-time jitter: then the row's
+    worst run (the most misses, then the highest tokenflow TTFT p99) and how many of K pass."""
+    jitter = args.jitter or (REPEAT_JITTER if args.repeat > 1 else 0.0)
+    base = f"{MATRIX_BASE}{' --uncharged' * args.uncharged} --jitter {jitter}"
+    print(f"trace: {TRACE_CREDIT}\n{base} plus each row's arguments\n{MATRIX_HEAD}")
     results = []
-    for result in run_matrix([row for row in MATRIX if args.matrix in row[0]]):
-        print(matrix_row(*result), flush=True)
-        results.append(dict(zip(("regime", "fcfs", "tokenflow", "misses"), result)))
+    for row in (row for row in MATRIX if args.matrix in row[0]):
+        runs = [r for i in range(args.repeat) for r in run_matrix([row], f"{base} --jitter-seed {i}")]
+        worst = max(runs, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
+        passes = sum(not r[3] for r in runs)
+        print(matrix_row(*worst, f"{passes}/{len(runs)} pass" if len(runs) > 1 else ""), flush=True)
+        results.append({**dict(zip(("regime", "fcfs", "tokenflow", "misses"), worst)),
+                        "passes": passes, "runs": len(runs)})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -170,7 +170,7 @@ class Request:
 
     @property
     def num_tokens_left(self) -> int:  # output tokens it may still generate
-        return self.params.max_tokens - self.num_output_tokens
+        return self.params.max_tokens - len(self.token_ids) + len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -547,7 +547,8 @@ class TokenFlow(FCFS):
         if not s.waiting or not (since >= self.config.interval or arrived):
             return []
         self.last_rebalance = now
-        urgency = {r: self.urgency(s, r, now) for r in itertools.chain(s.running, s.waiting)}
+        step = s.step_time()  # once: a rebalance asks for it per request
+        urgency = {r: self.urgency(s, r, now, step) for r in itertools.chain(s.running, s.waiting)}
         started = [r for r in urgency if r.started]
         batch = self.batch_that_fits(s, started)
         capacity = self.config.capacity_share * batch / s.rates.decode_time(batch)
@@ -610,16 +611,22 @@ class TokenFlow(FCFS):
         edge = capacity / self.config.capacity_share * (1 + self.config.overdraft)
         return edge if demand <= edge else max(capacity, edge - 2 * (demand - edge))
 
-    def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
+    def urgency(self, s: Scheduler, req: Request, now: float, step: float | None = None
+                ) -> tuple[int, float]:
         """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""
         if not req.started:
             return 1, req.arrival_time
         slack = req.dry_at - now
         if req.status == RequestStatus.RUNNING and slack > 0:
             slack *= 1 - self.config.hysteresis
-        # a switch takes at least an interval and a step: below that, no need to estimate it
-        soon = slack < self.lead(self.config.interval + s.step_time())
-        return (0 if soon or slack < self.lead(self.switch_time(s, req)) else 2), now + slack
+        # a switch takes at least an interval and a step, at most a recompute more: outside these
+        # bounds (most requests) the estimate of a copy's time is not needed
+        step = s.step_time() if step is None else step
+        if slack < self.lead(self.config.interval + step):
+            return 0, now + slack
+        if slack >= self.lead(req.num_tokens / s.rates.prefill_rate + self.config.interval + step):
+            return 2, now + slack
+        return (0 if slack < self.lead(self.switch_time(s, req, step)) else 2), now + slack
 
     def lead(self, switch: float) -> float:
         """How long before running dry a request must be back: a switch and an interval."""
@@ -650,7 +657,7 @@ class TokenFlow(FCFS):
         switch = self.switch_time(s, req)
         return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch
 
-    def switch_time(self, s: Scheduler, req: Request) -> float:
+    def switch_time(self, s: Scheduler, req: Request, step: float | None = None) -> float:
         """Seconds to take req off the device (if on it) and back, plus an interval and a step."""
         bs = s.kv.block_size
         on_device = cdiv(req.num_computed_tokens, bs)
@@ -659,7 +666,7 @@ class TokenFlow(FCFS):
         switch = req.num_tokens / s.rates.prefill_rate  # by recompute
         if s.swapper and blocks and unsynced <= s.swapper.host.num_free:
             switch = min(s.swapper.copy_done_in(unsynced + blocks), switch)
-        return switch + self.config.interval + s.step_time()
+        return switch + self.config.interval + (s.step_time() if step is None else step)
 
     def victim(self, s: Scheduler, now: float) -> Request:
         """A reader that can wait a switch, else the newest newcomer, else the most buffered."""

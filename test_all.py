@@ -4447,3 +4447,97 @@ def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
     run = bench.find_replicas(None, None, "fcfs", "buffer", args)
     assert tried == [2, 4, 8, 6, 5] and run.name == "buffer/fcfs x5"
     assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out
+# ------------------------------------------------ issue 24: cheap decisions, robustness as a measured property
+
+
+def test_the_schedulers_shortcuts_skip_only_what_has_nothing_to_do():
+    """A randomized run (shared prefixes, mixed rates, a pool that forces preemption and write-through),
+    checked after every step against the full computations the shortcuts replace: every filled block of a
+    running request is named (the cache pass looks only at requests that filled one); the write-through
+    gets every request with an unsynced filled block, by buffer, largest first (a full sort); each
+    scheduled request has room for its tokens, decodes first; and the bounds urgency uses instead of the
+    switch estimate hold for every request."""
+    rng = random.Random(7)
+    engine = sim_engine(toy_cost(num_kv_blocks=64, num_host_blocks=400), "tokenflow", enable_prefix_caching=True)
+    s, policy, bs = engine.scheduler, engine.scheduler.policy, engine.scheduler.kv.block_size
+    prefixes = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
+    arrivals = sorted((rng.uniform(0, 4), rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 40))],
+                       rng.randint(50, 200), rng.choice([10.0, 20.0, 40.0])) for _ in range(80))
+    real_write, real_schedule, checked = s.swapper.write_through, s.schedule, Counter()
+
+    def unsynced(r):
+        return s.kv.num_full(r.block_table, r.num_computed_tokens) > r.num_host_tokens // bs
+
+    def write_through(reqs, max_blocks):
+        assert [r for r in reqs if unsynced(r)] == [r for r in sorted(s.running, key=lambda r: -r.dry_at) if unsynced(r)]
+        checked["written"] += any(map(unsynced, reqs))
+        return real_write(reqs, max_blocks)
+
+    def schedule():
+        batch = real_schedule()
+        sizes = [n for _, n in batch]
+        assert sizes == sorted(sizes, key=lambda n: n > 1) and min(sizes, default=1) > 0
+        assert all(r.num_computed_tokens + n <= len(r.block_table) * bs for r, n in batch)
+        return batch
+
+    s.swapper.write_through, s.schedule = write_through, schedule
+    while arrivals or engine.has_unfinished():
+        while arrivals and arrivals[0][0] <= engine.clock():
+            t, prompt, n, rate = arrivals.pop(0)
+            engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True, read_rate=rate), arrival_time=t)
+        if not engine.has_unfinished():
+            engine.clock.advance_to(arrivals[0][0])
+            continue
+        engine.step()
+        checked["steps"] += 1
+        for r in s.running:
+            if r.load_event is None:
+                assert r.num_cached_blocks == s.kv.num_full(r.block_table, r.num_computed_tokens)
+        step, interval, prefill = s.step_time(), policy.config.interval, s.rates.prefill_rate
+        for r in (r for r in s.running + list(s.waiting) if r.started):
+            lead = policy.lead(policy.switch_time(s, r))
+            assert policy.lead(interval + step) <= lead <= policy.lead(r.num_tokens / prefill + interval + step)
+    assert checked["steps"] > 500 and checked["written"] > 20 and s.counters["preemptions"] > 0, checked
+
+
+def test_step_time_jitter_is_seeded_and_bounded():
+    """--jitter F: each simulated step takes its modelled time (20 ms here) times a factor in [1-F, 1+F], drawn
+    from a generator seeded per run: the same seed repeats a run exactly, another seed does not."""
+    def run(seed: int, jitter: float = 0.03):
+        engine = sim_engine(toy_cost(), "tokenflow", jitter=jitter, seed=seed)
+        factors, real_run = [], engine.run
+
+        def timed_run(batch):
+            before = engine.clock()
+            tokens = real_run(batch)
+            factors.append((engine.clock() - before) / 0.02)
+            return tokens
+        engine.run = timed_run
+        return [r.token_times for r in drive(engine, burst(10, 10.0))], factors
+
+    (a, fa), (b, _), (c, _), (_, plain) = run(1), run(1), run(2), run(1, jitter=0.0)
+    assert a == b and a != c
+    assert all(0.97 - 1e-9 <= f <= 1.03 + 1e-9 for f in fa) and max(fa) - min(fa) > 0.04
+    assert plain == pytest.approx([1.0] * len(plain))
+
+
+def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch, capsys):
+    """--matrix --repeat K: K runs of a row, charged, with jitter seeds 0..K-1; the row printed is the worst run
+    (most misses, then the highest tokenflow TTFT p99) with the count of passing runs."""
+    monkeypatch.setattr(bench, "MATRIX_BASE", "--simulate --preset cpu-smollm2 --prompt-len 64:16 --output-len 64:16 "
+                        "--seed 3")
+    monkeypatch.setattr(bench, "MATRIX", [("tiny", "--burst 12 --read-rate 2"), ("skipped", "--burst 5")])
+    bases, results, real = [], [], bench.run_matrix
+
+    def run_matrix(rows, base):
+        bases.append(base)
+        results.extend(real(rows, base))
+        return results[-1:]
+    monkeypatch.setattr(bench, "run_matrix", run_matrix)
+    bench.main(["--matrix", "tiny", "--repeat", "3"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| tiny", "| skipped"))]
+    assert [b.split()[-4:] for b in bases] == [["--jitter", "0.03", "--jitter-seed", str(i)] for i in range(3)]
+    assert "--uncharged" not in bases[0] and len(results) == 3
+    worst = max(results, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
+    passes = sum(not r[3] for r in results)
+    assert rows == [bench.matrix_row(*worst, f"{passes}/3 pass")] and "/3 pass; worst run: " in rows[0]

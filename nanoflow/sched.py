@@ -174,7 +174,7 @@ class Request:
 
     @property
     def num_tokens_left(self) -> int:  # output tokens it may still generate
-        return self.params.max_tokens - self.num_output_tokens
+        return self.params.max_tokens - len(self.token_ids) + len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -273,18 +273,29 @@ class Scheduler:
             self.policy.admit(self, scheduled, budget, now)
         if self.swapper:
             self.swapper.demote()  # the cached blocks taken this step keep their KV on host
-        # a request started without room for a token waits for the next step
-        return sorted(((r, n) for r, n in scheduled.items() if n > 0), key=lambda item: item[1] > 1)
+        # decodes first; a request started without room for a token waits for the next step
+        items = scheduled.items()
+        return [(r, n) for r, n in items if n == 1] + [(r, n) for r, n in items if n > 1]
 
     def _schedule_running(self, now: float) -> tuple[dict[Request, int], int, bool]:
         """Tokens for the running requests; the budget left; whether memory ran short."""
         budget = self.policy.token_budget(self, now)
         short = False
         scheduled = {}
-        for req in sorted(self.running, key=lambda r: r.num_new_tokens != 1):
-            if budget == 0 or req.status != RequestStatus.RUNNING or not loaded(req):
-                continue  # out of budget, preempted for an older one, or its KV is on its way
-            n = min(req.num_new_tokens, budget)
+        # runs once per request per step: attributes, not properties; decodes, then prompt chunks
+        order = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
+        order += [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]
+        bs = self.kv.block_size
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING or not loaded(req):
+                continue  # preempted for an older one, or its KV is on its way
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.num_computed_tokens + n <= len(req.block_table) * bs:
+                scheduled[req] = n  # its last block has room: most decodes
+                budget -= n
+                continue
             while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
                 if self.kv.pending_free:
                     # evicted blocks come back once their copies are done: wait, don't evict more
@@ -411,8 +422,10 @@ class Scheduler:
         """Learn from the step just run; the policy may copy freshly filled blocks to host."""
         self.rates.observe(seconds, prefill_tokens, decode_tokens)
         if self.enable_prefix_caching:
-            for req in filter(loaded, self.running):  # blocks being loaded are not shared yet
-                self._cache_full_blocks(req)
+            bs = self.kv.block_size
+            for req in self.running:  # blocks being loaded are not shared yet
+                if req.num_computed_tokens // bs > req.num_cached_blocks and loaded(req):
+                    self._cache_full_blocks(req)  # a block filled: ~1 step in block_size
         self.policy.after_step(self)
 
 
@@ -563,7 +576,8 @@ class TokenFlow(FCFS):
         if not s.waiting or not (since >= self.config.interval or arrived):
             return []
         self.last_rebalance = now
-        urgency = {r: self.urgency(s, r, now) for r in itertools.chain(s.running, s.waiting)}
+        step = s.step_time()  # once: a rebalance asks for it per request
+        urgency = {r: self.urgency(s, r, now, step) for r in itertools.chain(s.running, s.waiting)}
         started = [r for r in urgency if r.started]
         capacity = self.capacity(s, started, self.config.capacity_share)
         self.overloaded = sum(r.read_rate for r in started) > capacity
@@ -611,14 +625,22 @@ class TokenFlow(FCFS):
             members.append(r)
         return members
 
-    def urgency(self, s: Scheduler, req: Request, now: float) -> tuple[int, float]:
+    def urgency(self, s: Scheduler, req: Request, now: float, step: float | None = None
+                ) -> tuple[int, float]:
         """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""
         if not req.started:
             return 1, req.arrival_time
         slack = req.dry_at - now
         if req.status == RequestStatus.RUNNING and slack > 0:
             slack *= 1 - self.config.hysteresis
-        return (0 if slack < self.lead(self.switch_time(s, req)) else 2), now + slack
+        # a switch takes at least an interval and a step, at most a recompute more: outside these
+        # bounds (most requests) the estimate of a copy's time is not needed
+        step = s.step_time() if step is None else step
+        if slack < self.lead(self.config.interval + step):
+            return 0, now + slack
+        if slack >= self.lead(req.num_tokens / s.rates.prefill_rate + self.config.interval + step):
+            return 2, now + slack
+        return (0 if slack < self.lead(self.switch_time(s, req, step)) else 2), now + slack
 
     def lead(self, switch: float) -> float:
         """How long before running dry a request must be back: a switch and an interval."""
@@ -649,7 +671,7 @@ class TokenFlow(FCFS):
         switch = self.switch_time(s, req)
         return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch
 
-    def switch_time(self, s: Scheduler, req: Request) -> float:
+    def switch_time(self, s: Scheduler, req: Request, step: float | None = None) -> float:
         """Seconds to take req off the device (if on it) and back, plus an interval and a step."""
         bs = s.kv.block_size
         on_device = cdiv(req.num_computed_tokens, bs)
@@ -658,7 +680,7 @@ class TokenFlow(FCFS):
         switch = req.num_tokens / s.rates.prefill_rate  # by recompute
         if s.swapper and blocks and unsynced <= s.swapper.host.num_free:
             switch = min(s.swapper.copy_done_in(unsynced + blocks), switch)
-        return switch + self.config.interval + s.step_time()
+        return switch + self.config.interval + (s.step_time() if step is None else step)
 
     def victim(self, s: Scheduler, now: float) -> Request:
         """A reader that can wait a switch, else the newest newcomer, else the most buffered."""
@@ -708,7 +730,10 @@ class TokenFlow(FCFS):
         """Write filled blocks to host, largest buffers first, while a preemption may come."""
         super().after_step(s)
         if s.swapper and self.under_pressure(s):
-            by_buffer = sorted(s.running, key=lambda r: -r.dry_at)
+            # only those that filled a block since their last copy have something to write
+            bs = s.kv.block_size
+            filled = [r for r in s.running if r.num_computed_tokens // bs > r.num_host_tokens // bs]
+            by_buffer = sorted(filled, key=lambda r: -r.dry_at)
             s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))
 
     def under_pressure(self, s: Scheduler) -> bool:

@@ -8,6 +8,7 @@ bookkeeping, `Request` readers and `metrics`. So thousands of requests at H200 s
 on a laptop, and what the simulator says about a policy is what that policy does.
 """
 
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -222,9 +223,11 @@ class ChargedScheduler(Scheduler):
 class SimEngine(Engine):
     """The engine with the forward replaced by the cost model."""
 
-    def __init__(self, cost: CostModel, scheduler: Scheduler, read_rate: float):
+    def __init__(self, cost: CostModel, scheduler: Scheduler, read_rate: float,
+                 jitter: float = 0.0, seed: int = 0):
         super().__init__(None, cost.model, _NoText(), scheduler, read_rate)
         self.cost = cost
+        self.jitter, self.rng = jitter, random.Random(seed)
 
     def idle(self) -> None:
         self.clock.advance_to(self.clock() + self.cost.overhead_s)
@@ -236,6 +239,8 @@ class SimEngine(Engine):
     def run(self, batch) -> list[int]:
         kv_tokens = sum(r.num_computed_tokens + n for r, n in zip(batch.reqs, batch.query_lens))
         step_s = self.cost.step_time(batch.num_prefill_tokens, batch.num_decodes, kv_tokens)
+        if self.jitter:  # a real device's steps vary by a few percent
+            step_s *= 1 + self.rng.uniform(-self.jitter, self.jitter)
         self.clock.advance_to(self.clock() + step_s)
         return [SIM_TOKEN] * len(batch.sampled)
 
@@ -250,9 +255,11 @@ def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) ->
 def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float = 8.0,
                  num_kv_blocks: int | None = None, tokenflow: TokenFlowConfig | None = None,
                  charge_scheduler: bool = True, host_kv_gb: float | None = None,
-                 enable_prefix_caching: bool = True) -> SimEngine:
+                 enable_prefix_caching: bool = True, jitter: float = 0.0, seed: int = 0
+                 ) -> SimEngine:
     """A simulated engine; charge_scheduler=False leaves the scheduler's own time out (runs repeat
-    exactly). host_kv_gb (GiB) replaces the preset's host pool."""
+    exactly). host_kv_gb (GiB) replaces the preset's host pool. jitter: each step's time is scaled
+    by a factor drawn uniformly from [1 - jitter, 1 + jitter] (a generator seeded by seed)."""
     cost = PRESETS[preset]() if isinstance(preset, str) else preset
     clock = VirtualClock()
     block_bytes = cost.block_size * cost.kv_bytes_per_token
@@ -265,7 +272,7 @@ def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float
     scheduler = (ChargedScheduler if charge_scheduler else Scheduler)(
         device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow,
         enable_prefix_caching)
-    return SimEngine(cost, scheduler, read_rate)
+    return SimEngine(cost, scheduler, read_rate, jitter, seed)
 
 
 def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps: int = 8

@@ -94,6 +94,8 @@ class Swapper:
         for req in reqs:
             start = req.num_host_tokens // bs
             end = self.device.num_full(req.block_table, req.num_computed_tokens)
+            if end <= start:
+                continue  # nothing filled since its last copy: most requests, most steps
             if len(req.host_block_table) == start:
                 req.host_block_table += self.host.match_prefix(req.block_hashes[start:end])
                 start = len(req.host_block_table)

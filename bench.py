@@ -1110,7 +1110,8 @@ def matrix(args: argparse.Namespace) -> None:
     print(f"trace: {TRACE_CREDIT}\n{base} plus each row's arguments\n{MATRIX_HEAD}")
     results = []
     for row in (row for row in MATRIX if args.matrix in row[0]):
-        runs = [r for i in range(args.repeat) for r in run_matrix([row], f"{base} --jitter-seed {i}")]
+        seeds = range(args.repeat)
+        runs = [r for i in seeds for r in run_matrix([row], f"{base} --jitter-seed {i}")]
         worst = max(runs, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
         passes = sum(not r[3] for r in runs)
         print(matrix_row(*worst, f"{passes}/{len(runs)} pass" if len(runs) > 1 else ""), flush=True)

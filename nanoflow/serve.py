@@ -150,9 +150,8 @@ class EngineLoop(threading.Thread):
         with self.lock:
             if self.stopping:
                 raise HTTPError(503, "the server is shutting down")
-            stuck = self.num_stuck(len(prompt_ids))
-            if stuck >= self.max_waiting:
-                retry = self.retry_after(stuck - self.max_waiting + 1, params[0].max_tokens)
+            retry = self.retry_after(len(prompt_ids), params[0].max_tokens)
+            if retry:
                 raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry "
                                 f"in {retry} s", "overloaded", {"Retry-After": str(retry)})
             self.num_queued += len(request_ids)
@@ -161,19 +160,15 @@ class EngineLoop(threading.Thread):
                 self.inbox.put(functools.partial(self._add, request_id, prompt_ids, p, choice))
         return deltas
 
-    def num_stuck(self, prompt_tokens: int) -> int:
-        """Queued requests (of this one's prompt length) that the engine, at its measured prefill
-        rate, cannot start within START_BOUND_S: the others are as good as started."""
-        prefill_rate = self.engine.scheduler.rates.prefill_rate
-        return self.num_queued - int(START_BOUND_S * prefill_rate / max(1, prompt_tokens))
-
-    def retry_after(self, excess: int, max_tokens: int) -> int:
-        """Seconds until the engine, at its measured decode rate, has made the outputs of `excess`
-        requests like this one: by then as many have left the queue."""
+    def retry_after(self, prompt_tokens: int, max_tokens: int) -> int:
+        """0 while fewer than max_waiting queued requests (like this one) are stuck: the engine, at
+        its measured prefill rate, cannot start them within START_BOUND_S. Else the seconds its
+        measured decode rate needs to make the outputs of those over the limit."""
         s = self.engine.scheduler
-        batch = max(1, len(s.running))
+        startable = int(START_BOUND_S * s.rates.prefill_rate / max(1, prompt_tokens))
+        excess, batch = self.num_queued - startable - self.max_waiting + 1, max(1, len(s.running))
         seconds = excess * max_tokens * s.rates.decode_time(batch) / batch
-        return max(RETRY_AFTER_S, math.ceil(seconds))
+        return max(RETRY_AFTER_S, math.ceil(seconds)) if excess > 0 else 0
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(functools.partial(self._abort, request_id))

@@ -43,7 +43,7 @@ class ReasoningParser:
         if closed:
             self.state = "content"
             return reasoning, content
-        keep = _marker_start_at_end(reasoning, self.end)
+        keep = marker_start_at_end(reasoning, self.end)
         self.held = reasoning[len(reasoning) - keep:]
         return reasoning[:len(reasoning) - keep], ""
 
@@ -53,7 +53,7 @@ class ReasoningParser:
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
-def _marker_start_at_end(text: str, marker: str) -> int:
+def marker_start_at_end(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (all of it excepted)."""
     return next((n for n in range(min(len(text), len(marker) - 1), 0, -1)
                  if text.endswith(marker[:n])), 0)

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .grammar import check_schema
+from .reasoning import marker_start_at_end
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -213,8 +214,7 @@ class ToolCallStream:
         at = self.text.find(CALL_START, self.sent)
         if at >= 0:
             return at
-        partial = [k for k in range(1, len(CALL_START)) if self.text.endswith(CALL_START[:k])]
-        return len(self.text) - max(partial, default=0)
+        return len(self.text) - marker_start_at_end(self.text, CALL_START)
 
     def finish(self) -> list[dict]:
         """The deltas of the text held back: each call's id and name, then its arguments; or the

@@ -4,8 +4,7 @@
 each request's reading rate), runs it on the engine once per policy and prints TTFT, stalls, QoE
 and throughput of each (docs/scheduling.md). `--simulate` drives a simulated engine on a virtual
 clock, `--http URL` a running server (timed at the client); `--multi-turn N` runs chats that resend
-the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers;
-`--grammar-cost` times constrained decoding (docs/structured-outputs.md).
+the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers.
 """
 
 import argparse
@@ -639,46 +638,6 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> 
               f"{statistics.median(after) * 1e3:>14.3f}")
 
 
-# a schema that keeps a batch constrained through the timed steps: 64 strings at least
-LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 64}
-CALL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
-                                                "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
-
-
-def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> None:
-    """Constrained decoding's cost: a decode step at `batch` with every row constrained vs none
-    (alternating, same prompts), the bitmask work alone, the unconstrained rows' check, compiles."""
-    from nanoflow import grammar
-
-    llm = LLM(args.ckpt, device=args.device, dtype=args.dtype, num_kv_blocks=batch * 24)
-    engine, times = llm.engine, {True: [], False: []}
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"List {i} fruits."}])
-               for i in range(batch)]
-    for round_ in range(4):  # alternate, so that a busy machine slows both alike
-        constrained = round_ % 2 == 0
-        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True,
-                                json_schema=LONG_SCHEMA if constrained else None)
-        reqs = [engine.add_request(p, params) for p in prompts]
-        while any(r.num_output_tokens == 0 for r in reqs):  # prefill
-            engine.step()
-        times[constrained] += [seconds(engine.step) for _ in range(steps)]
-        if constrained:
-            logits = torch.zeros(batch, engine.config.vocab_size)
-            masks = seconds(lambda: grammar.apply_bitmasks(logits, reqs))
-        for r in reqs:
-            engine.abort(r.request_id)
-    check = seconds(lambda: any(r.params.json_schema is not None for r in reqs)) * 1e6
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(f"decode step at batch {batch}, median of {2 * steps}: unconstrained {off * 1e3:.1f} ms, "
-          f"every row constrained {on * 1e3:.1f} ms (+{(on - off) * 1e3:.1f} ms); bitmasks filled "
-          f"and applied alone: {masks * 1e3:.2f} ms; an unconstrained step's check: {check:.1f} us")
-    for name, schema in [("long array", LONG_SCHEMA), ("tool call", CALL_SCHEMA)]:
-        grammar._grammar.cache_clear()
-        cold = seconds(lambda: engine.grammars.matcher(schema))
-        print(f"schema {name}: compile + matcher {cold * 1e3:.2f} ms cold, "
-              f"{seconds(lambda: engine.grammars.matcher(schema)) * 1e3:.2f} ms cached")
-
-
 def full_rebalance(s, now: float) -> None:
     s.policy.last_rebalance = float("-inf")
     s.policy.preemptions(s, now)
@@ -1021,13 +980,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
         "by name) under both policies: a verdict per row")
     add("--sched-cost", action="store_true", help="time a decision at 256, 1024 and 4096 running")
-    add("--grammar-cost", action="store_true", help="time constrained decoding at batch 32")
     add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
     add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
     workload = (args.burst, args.poisson, args.trace, args.multi_turn)
     modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost,
-             args.calibrate, args.grammar_cost)
+             args.calibrate)
     if not (any(workload) or args.matrix is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
@@ -1135,8 +1093,6 @@ def main(argv: list[str] | None = None) -> None:
         serving_bench(args)
     if args.sched_cost:
         sched_cost()
-    if args.grammar_cost:
-        grammar_cost(args)
     if args.matrix is not None:
         matrix(args)
 

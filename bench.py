@@ -271,7 +271,8 @@ class Run:
     @functools.cached_property
     def summary(self) -> dict:
         end = max((r.token_times[-1] for r in self.records if r.token_times), default=self.start)
-        return {**summarize(self.records, end - self.start, self.ttft_slo), **self.counters,
+        makespan = max(end - self.start, 1e-9)  # no token at all: every request failed
+        return {**summarize(self.records, makespan, self.ttft_slo), **self.counters,
                 "wall_s": self.wall}
 
 
@@ -397,6 +398,8 @@ def scrape_counters(url: str) -> dict[str, float]:
 def drive_http(url: str, w: Workload) -> Run:
     """The workload through a running server: one thread per request, timed at the client."""
     try:
+        while b'"loading"' in http_call(url, "GET", "/health").read():  # its checkpoint
+            time.sleep(1)
         wall, before = time.monotonic(), scrape_counters(url)
     except OSError as e:
         raise SystemExit(f"no server at {url} ({e}); start one: python -m nanoflow.serve") from None

@@ -699,7 +699,7 @@ class TokenFlow(FCFS):
         (all of them once a newcomer has waited prefill_wait)."""
         decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
         if self.overloaded or decodes_only or self.newcomer_waited(s, now):
-            return s.max_num_batched_tokens  # readers stall anyway, or nothing to limit
+            return s.max_num_batched_tokens  # readers (or a newcomer) stall anyway, or no prompts
         # the running readers, and the paused members that may resume now
         readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now

@@ -4,7 +4,7 @@
 each request's reading rate), runs it on the engine once per policy and prints TTFT, stalls, QoE
 and throughput of each (docs/scheduling.md). `--simulate` drives a simulated engine on a virtual
 clock, `--http URL` a running server (timed at the client); `--multi-turn N` runs chats that resend
-the conversation. `--gpu-check` times the GPU parts; `--vs-transformers` compares with transformers.
+the conversation. `--gpu-check` times the GPU parts.
 """
 
 import argparse
@@ -42,7 +42,7 @@ from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_rea
 from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
-from nanoflow.model import Transformer, demo_checkpoint, rope_inv_freq
+from nanoflow.model import Transformer, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig, make_policy
 from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, calibrate, kv_bytes_per_token
 from nanoflow.swap import Swapper
@@ -626,16 +626,16 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> 
             engine.step()
         deciding, after = [], []
         for _ in range(steps):
-            deciding.append(cpu_seconds(s.schedule))
+            deciding.append(seconds(s.schedule, time.process_time))
             engine.clock.advance_to(engine.clock() + 0.01)
             for req in s.running:  # what the step would have done: one more token each
                 req.num_computed_tokens = req.num_tokens
                 req.append(0, engine.clock())
-            after.append(cpu_seconds(lambda: s.after_step(0.01, 0, len(s.running))))
+            after.append(seconds(lambda: s.after_step(0.01, 0, len(s.running)), time.process_time))
         rebalance = "-"
         if isinstance(s.policy, TokenFlow):  # a full rebalance (working set, sort, fill, victims)
             now = engine.clock()
-            spent = [cpu_seconds(lambda: full_rebalance(s, now)) for _ in range(10)]
+            spent = [seconds(lambda: full_rebalance(s, now), time.process_time) for _ in range(10)]
             rebalance = f"{statistics.median(spent) * 1e3:.3f}"
         print(f"{policy:>10} {n:>8} {statistics.median(deciding) * 1e3:>16.3f} {rebalance:>16} "
               f"{statistics.median(after) * 1e3:>14.3f}")
@@ -674,16 +674,11 @@ def cuda_time(fn) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
 
-def seconds(fn) -> float:
-    start = time.perf_counter()
+def seconds(fn, clock=time.perf_counter) -> float:
+    """Seconds of one call of fn: wall-clock, or this process's CPU time (time.process_time)."""
+    start = clock()
     fn()
-    return time.perf_counter() - start
-
-
-def cpu_seconds(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
+    return clock() - start
 
 
 def copy_bandwidth() -> float:
@@ -889,36 +884,6 @@ def gpu_check(args: argparse.Namespace) -> dict:
     return report
 
 
-# ---------------------------------------------------------------- offline, against transformers
-
-
-def vs_transformers(args: argparse.Namespace) -> None:
-    """LLM.generate against transformers' generate: the same prompts, greedy, to a fixed length."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(args.ckpt) if args.ckpt else demo_checkpoint()
-    llm = LLM(path, dtype=args.dtype)
-    dtype = llm.engine.model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
-    print(f"dtype: {dtype}")
-    gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    hf = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, dtype=dtype, **gguf)
-    rng = random.Random(0)
-    vocab = llm.engine.model.config.vocab_size
-    n_new = args.new_tokens
-    prompt_len = round(parse_dist(args.prompt_len or "128")[0])
-    params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
-    print(f"{'prompts':>8} {'nanoflow tok/s':>15} {'transformers tok/s':>19} {'ratio':>6}")
-    for n in map(int, args.batch_sizes.split(",")):
-        prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        ours = n * n_new / seconds(lambda: llm.generate(prompts, params))
-        with torch.no_grad():
-            theirs = n * n_new / seconds(lambda: hf.eval().generate(
-                torch.tensor(prompts), max_new_tokens=n_new, min_new_tokens=n_new,
-                do_sample=False, pad_token_id=0))
-        print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
-
-
 # ---------------------------------------------------------------- the command line
 
 
@@ -940,7 +905,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
     add("--prompt-len", help="prompt (--multi-turn: message) tokens, MEAN[:SPREAD] of a normal "
-        "(default: 64:16; 128 for --vs-transformers)")
+        "(default: 64:16)")
     add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD] (default: 128:32)")
     add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
         "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
@@ -979,16 +944,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps and write-through (GPU only)")
     add("--gpu-check", action="store_true", help="cuda tests, kernels, transfers, decode, burst")
-    add("--vs-transformers", action="store_true", help="LLM.generate against transformers'")
     add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
         "by name) under both policies: a verdict per row")
     add("--sched-cost", action="store_true", help="time a decision at 256, 1024 and 4096 running")
-    add("--batch-sizes", default="1,16", help="--vs-transformers: prompts per generate call")
-    add("--new-tokens", type=int, default=64, help="--vs-transformers: tokens per prompt")
     args = ap.parse_args(argv)
     workload = (args.burst, args.poisson, args.trace, args.multi_turn)
-    modes = (args.gpu_check, args.kernels, args.transfers, args.vs_transformers, args.sched_cost,
-             args.calibrate)
+    modes = (args.gpu_check, args.kernels, args.transfers, args.sched_cost, args.calibrate)
     if not (any(workload) or args.matrix is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
@@ -1071,8 +1032,8 @@ def matrix(args: argparse.Namespace) -> None:
     print(f"trace: {TRACE_CREDIT}\n{base} plus each row's arguments\n{MATRIX_HEAD}")
     results = []
     for row in (row for row in MATRIX if args.matrix in row[0]):
-        seeds = range(args.repeat)
-        runs = [r for i in seeds for r in run_matrix([row], f"{base} --jitter-seed {i}")]
+        runs = [r for i in range(args.repeat)
+                for r in run_matrix([row], f"{base} --jitter-seed {i}")]
         worst = max(runs, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
         passes = sum(not r[3] for r in runs)
         print(matrix_row(*worst, f"{passes}/{len(runs)} pass" if len(runs) > 1 else ""), flush=True)
@@ -1088,8 +1049,6 @@ def main(argv: list[str] | None = None) -> None:
         gpu_check(args)
     if args.gpu_check:
         return
-    if args.vs_transformers:
-        vs_transformers(args)
     if args.calibrate:
         print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
     if args.burst or args.poisson or args.trace or args.multi_turn:

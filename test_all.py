@@ -1978,7 +1978,7 @@ def test_sigterm_drains_streams_and_exits_0(ckpt):
 
 from nanoflow.metrics import (RequestRecord, effective_weights, qoe, read_times,  # noqa: E402
                               rebuffer_time, summarize)
-from nanoflow.sched import Request, RequestStatus, StepRates, TokenFlowConfig  # noqa: E402
+from nanoflow.sched import Request, RequestStatus, TokenFlowConfig  # noqa: E402
 from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
 
 
@@ -4280,41 +4280,6 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
     policy.keep, policy.joining = set(), [newcomer]
     urgency = {r: policy.urgency(s, r, 0.0) for r in [*reqs, newcomer]}
     assert policy.victims(s, 0.0, urgency) == [reqs[1]]
-
-
-def test_prefill_rate_is_timed_on_a_steps_prefill_part_by_hand():
-    """A few prompt tokens beside a batch's decodes must not read as a slow prefill: that fed back (a
-    lower rate cut the next steps' prompt budgets, whose steps measured lower still, until newcomers
-    waited 26 s on the CPU server). Decode steps of 15 requests take 0.1 s; a step with 400 prompt
-    tokens beside them takes 0.9 s: 400 / 0.8 s = 500 tokens/s (0.9 s for all 400 would say 444). A
-    step with 20 prompt tokens (0.14 s) is mostly the batch's own time: the rate stays."""
-    rates = StepRates()
-    for _ in range(3):
-        rates.observe(0.1, 0, 15)
-    rates.observe(0.9, 400, 15)
-    assert rates.prefill_rate == pytest.approx(500)
-    rates.observe(0.14, 20, 15)
-    assert rates.prefill_rate == pytest.approx(500)
-    assert rates.decode_time(15) == pytest.approx(0.1)
-
-
-@pytest.mark.parametrize("waited,budget", [(0.0625, 51), (0.125, 10**4)])
-def test_a_newcomer_that_waited_prefill_wait_gets_the_whole_budget_by_hand(waited, budget):
-    """Prompt tokens are cut so that the least-buffered running reader does not run dry during the
-    step: slack 0.75 s less a 0.25 s step, at 100 prompt tokens/s, is 50 tokens, plus its decode: 51.
-    A newcomer without a first token is a stalled reader too: once it has waited prefill_wait (0.1 s)
-    the step takes the whole budget (10,000 tokens), else at 20 tok/s a trickle of prompts each
-    leaves a new reader with one token of slack, and the next newcomers wait for it."""
-    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
-    s, policy = engine.scheduler, engine.scheduler.policy
-    reader = running_request(engine, 16, 100)
-    reader.append(0, 0.0)
-    s.rates.prefill_rate = 100.0
-    s.rates.observe(0.25, 0, 1)
-    engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))  # arrives at 0
-    engine.clock.advance_to(waited)
-    reader.dry_at = waited + 0.75
-    assert policy.token_budget(s, waited) == budget
 
 
 # A fast regime guard: three small rows of the regime matrix, the scheduler's time off the clock

@@ -196,11 +196,8 @@ class StepRates:
     seen: Counter = field(default_factory=Counter)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
-        # each part is timed as the step less the other's estimate: a few prompt tokens beside
-        # a batch's decodes must not read as a slow prefill (the step's fixed cost is the batch's)
-        prefilling = seconds - (self.decode_time(decode_tokens) if decode_tokens else 0.0)
-        if prefill_tokens > decode_tokens and prefilling > seconds / 2:
-            self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / prefilling)
+        if prefill_tokens > decode_tokens:
+            self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
         decoding = seconds - prefill_tokens / self.prefill_rate
         if decode_tokens and decoding > 0:
             moments = (decode_tokens, decoding, decode_tokens**2, decode_tokens * decoding)
@@ -536,7 +533,6 @@ class TokenFlowConfig:
     mu: float = 2.0  # a buffer must cover mu switches (and an interval) to be preempted
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
     hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
-    prefill_wait: float = 0.1  # s a newcomer's prompt waits at most for running readers' slack
     write_through_below: float = 0.2  # share of free device KV under which to write through
 
     @classmethod
@@ -695,23 +691,15 @@ class TokenFlow(FCFS):
         return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
-        """A token per running request, and prompt tokens while no reader runs dry meanwhile
-        (all of them once a newcomer has waited prefill_wait)."""
+        """A token per running request, and prompt tokens while no reader runs dry meanwhile."""
         decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
-        if self.overloaded or decodes_only or self.newcomer_waited(s, now):
-            return s.max_num_batched_tokens  # readers (or a newcomer) stall anyway, or no prompts
+        if self.overloaded or decodes_only:
+            return s.max_num_batched_tokens  # readers stall anyway, or nothing to limit
         # the running readers, and the paused members that may resume now
         readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
-
-    def newcomer_waited(self, s: Scheduler, now: float) -> bool:
-        """Has a request without a first token waited prefill_wait? Its reader is stalled already:
-        its prompt goes before the running readers' slack (else, when readers are about as fast as
-        the engine, each prompt leaves a reader with one token of slack and the next one waits)."""
-        unstarted = (r.arrival_time for r in itertools.chain(s.running, s.waiting) if not r.started)
-        return now - min(unstarted, default=now) >= self.config.prefill_wait
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
         """The keep-set's waiting members (the rebalance made room for them), then the baseline."""

@@ -9,19 +9,13 @@ rounds, same prompts), the bitmask work alone, the unconstrained rows' check, an
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import seconds  # noqa: E402
 from nanoflow import LLM, SamplingParams, grammar  # noqa: E402
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 # a schema that keeps a batch constrained through the timed steps: 64 strings at least

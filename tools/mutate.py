@@ -46,8 +46,9 @@ MUTANTS = [
       "for r in sorted(others, key=urgency.get):", "victims_are_the_least"),
     # sched.py: the mechanism and FCFS
     M("decodes-first", "nanoflow/sched.py",
-      "for req in sorted(self.running, key=lambda r: r.num_new_tokens != 1):",
-      "for req in self.running:", "keeps_its_decode_tokens"),
+      "order += [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]",
+      "order[:0] = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]",
+      "keeps_its_decode_tokens"),
     M("fcfs-no-reserve", "nanoflow/sched.py", "if need > free - reserved:", "if need > free:",
       "fcfs_admission"),
     M("fcfs-misfit-skipped", "nanoflow/sched.py", "if need > free:\n                return",
@@ -187,8 +188,7 @@ MUTANTS = [
       "summarize_every or qoe_counts"),
     # serve.py
     M("n-last-finish-reason", "nanoflow/serve.py",
-      "out.append(self._choice(i, mine[-1].finish_reason, tokens, **content))",
-      "out.append(self._choice(i, deltas[-1].finish_reason, tokens, **content))",
+      "reason = mine[-1].finish_reason", "reason = deltas[-1].finish_reason",
       "own_finish_reason or n_choices"),
     M("keepalive-timer-not-restarted", "nanoflow/serve.py",
       'b": keep-alive\\n\\n")\n                quiet_since = time.monotonic()',
@@ -210,7 +210,8 @@ MUTANTS = [
       "if req.status == RequestStatus.RUNNING and req.num_new_tokens >= 1:",
       "live_states_by_hand"),
     M("sim-link-never-queues", "nanoflow/sim.py",
-      "start = max(self.free_at[direction], self.clock())", "start = self.clock()",
+      "start = max(self.free_at[direction], self.clock(), after)",
+      "start = max(self.clock(), after)",
       "simulated_eviction or one_direction_queue"),
 ]
 

@@ -4282,6 +4282,63 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
     assert policy.victims(s, 0.0, urgency) == [reqs[1]]
 
 
+def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
+    """Prompt tokens are cut so that the least-buffered running reader does not run dry during the
+    step; but a reader that reads more than a token per step (10 tok/s against 0.25 s steps) runs dry
+    whatever the budget, and must not hold newcomers back (multi-turn chat on the CPU: a turn's prompt
+    waited 1.4-2 s behind readers at 20 tok/s). The other reader (2 tok/s) has 0.75 s of slack: less
+    a 0.25 s step, at 100 prompt tokens/s, 50 prompt tokens, plus the two decodes: 52. (The newcomer's
+    10 tokens of output are too few to outweigh a stall: see the next test.)"""
+    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    fast, slow = running_request(engine, 16, 100, rate=10.0), running_request(engine, 16, 100, rate=2.0)
+    for req, slack in ((fast, 0.05), (slow, 0.75)):
+        req.append(0, 0.0)
+        req.dry_at = slack
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.25, 0, 2)
+    engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))  # a newcomer waits
+    assert policy.token_budget(s, 0.0) == 52
+
+
+@pytest.mark.parametrize("max_tokens, budget", [(50, 10**4), (30, 26)])
+def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(max_tokens, budget):
+    """One reader (2 tok/s, 20 tokens left) has 0.5 s of slack; steps take 0.25 s; a newcomer's 50
+    prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 - 0.5 =
+    0.25 s: 0.25 x 20 tokens late = 5, twice that (stall_weight) 10. Held back, the reader gains
+    0.5 - 0.25 s a step, so the chunk is free in one step, 0.25 s: the newcomer's tokens are each
+    0.25 s later. 50 tokens x 0.25 = 12.5 > 10: the whole budget; 30 x 0.25 = 7.5 < 10: only what
+    the slack leaves, (0.5 - 0.25) x 100 = 25 prompt tokens, and the decode."""
+    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    reader = running_request(engine, 16, 21, rate=2.0)
+    reader.append(0, 0.0)
+    reader.dry_at = 0.5
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.25, 0, 1)
+    newcomer = engine.add_request([1] * 50, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert policy.preemptions(s, 0.0) == [] and policy.joining == [newcomer]  # the rebalance
+    assert policy.token_budget(s, 0.0) == budget
+
+
+def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_dry_by_hand():
+    """A paused reader about to run dry says the capacity estimate was kind, and newcomers stop
+    joining the working set; but one that has waited a whole interval (1.5 s) for its first token
+    still joins, or a burst's last newcomers wait behind a rotation of paused readers (burst 400 at
+    the paper's mix: five of them waited 8 s, TTFT p99 13.6 s instead of 6)."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    params = SamplingParams(max_tokens=100, ignore_eos=True, read_rate=10.0)
+    paused = engine.add_request([1] * 20, params, arrival_time=0.0)
+    old, new = (engine.add_request([1] * 20, params, arrival_time=t) for t in (0.1, 1.9))
+    engine.clock.advance_to(2.0)
+    paused.append(0, 1.9)
+    paused.status, paused.dry_at = RequestStatus.PREEMPTED, 2.05
+    urgency = {r: policy.urgency(s, r, 2.0) for r in s.waiting}
+    assert [urgency[r][0] for r in (paused, old, new)] == [0, 1, 1]
+    assert policy.working_set(s, [paused], 1000.0, urgency) == [paused, old]
+
+
 # A fast regime guard: three small rows of the regime matrix, the scheduler's time off the clock
 # (deterministic), both policies. Each row must pass the matrix's bar, and tokenflow must stay within
 # 10% of what it reached when this was recorded (2026-12-01): a policy change that makes a regime worse

@@ -534,6 +534,7 @@ class TokenFlowConfig:
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
     hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
     write_through_below: float = 0.2  # share of free device KV under which to write through
+    stall_weight: float = 2.0  # a reader's second of stall against a newcomer's second of wait
 
     @classmethod
     def parse(cls, text: str) -> "TokenFlowConfig":
@@ -612,9 +613,10 @@ class TokenFlow(FCFS):
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
-        if any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            return members  # a paused reader runs dry: the estimates were kind
         newcomers = [r for r in s.waiting if not r.started]
+        if any(urgency[r][0] == 0 for r in s.waiting if r.started):
+            # a paused reader runs dry: the estimates were kind; only those waited an interval join
+            newcomers = [r for r in newcomers if r.arrival_time <= s.clock() - self.config.interval]
         if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
             capacity /= self.config.capacity_share  # the last few need not wait for the reserve
         for r in newcomers:
@@ -691,19 +693,50 @@ class TokenFlow(FCFS):
         return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
-        """A token per running request, and prompt tokens while no reader runs dry meanwhile."""
+        """A token per running request, and prompt tokens while no reader runs dry meanwhile, or
+        when the newcomers' wait they save outweighs the readers' stall they cost."""
         decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
         if self.overloaded or decodes_only:
             return s.max_num_batched_tokens  # readers stall anyway, or nothing to limit
-        # the running readers, and the paused members that may resume now
+        step = s.step_time()
+        # the running readers and the paused members that may resume now; one that reads faster
+        # than a token a step runs dry whatever the budget, so it holds no prompt back
         readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]
+        readers = [r for r in readers if r.started and r.read_rate * step < 1]
+        if self.prompts_outweigh_stalls(s, readers, now, step):
+            return s.max_num_batched_tokens
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
-        prompt_tokens = max(0.0, slack - s.step_time()) * s.rates.prefill_rate
+        prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate
         return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
+
+    def prompts_outweigh_stalls(self, s: Scheduler, readers: list[Request], now: float,
+                                step: float) -> bool:
+        """Would a whole budget of prompts now save the newcomers more lateness than it costs the
+        readers? A second's wait makes each token a request has still to stream a second late
+        (Andes' QoE); a reader's stall counts stall_weight times. Held back, the chunk goes in free
+        once every reader it would stall has read ahead by as much: each gains 1/read_rate - step
+        seconds a step, or finishes first."""
+        joining = [r for r in self.joining if r.status in WAITING_STATES]
+        newcomers = [r for r in itertools.chain(s.running, joining) if not r.started]
+        if not newcomers:
+            return False
+        room = s.max_num_batched_tokens - len(s.running)
+        prompts = list(itertools.accumulate(r.num_new_tokens for r in newcomers))
+        served = newcomers[:max(1, sum(n <= room for n in prompts))]
+        chunk = min(prompts[-1], room) / s.rates.prefill_rate
+        stall = wait = 0.0
+        for r in [r for r in readers if r.dry_at < now + chunk + step]:  # those the chunk stalls
+            late = chunk + step - max(0.0, r.dry_at - now)
+            stall += min(chunk, late) * r.num_tokens_left
+            wait = max(wait, min(late / (1 / r.read_rate - step), r.num_tokens_left) * step)
+        return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
         """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
-        for req in [r for r in self.joining if r.status in WAITING_STATES]:
+        members = [r for r in self.joining if r.status in WAITING_STATES]
+        listed = set(members)  # and those preempted since, when memory ran short: still members
+        members += [r for r in s.waiting if r in self.keep and r not in listed]
+        for req in members:
             need = s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
             if s.full(budget) or need > s.kv.num_free:
                 return  # while a member waits for memory, nobody outside the keep-set may take it

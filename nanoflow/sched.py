@@ -727,8 +727,11 @@ class TokenFlow(FCFS):
         stall = wait = 0.0
         for r in [r for r in readers if r.dry_at < now + chunk + step]:  # those the chunk stalls
             late = chunk + step - max(0.0, r.dry_at - now)
+            ahead = min(late / (1 / r.read_rate - step), r.num_tokens_left) * step
+            if ahead > self.config.interval:
+                return True  # no holding prompts back beyond the next rebalance
             stall += min(chunk, late) * r.num_tokens_left
-            wait = max(wait, min(late / (1 / r.read_rate - step), r.num_tokens_left) * step)
+            wait = max(wait, ahead)
         return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:

@@ -4325,19 +4325,21 @@ def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(rate,
 
 def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_dry_by_hand():
     """A paused reader about to run dry says the capacity estimate was kind, and newcomers stop
-    joining the working set; but one that has waited a whole interval (1.5 s) for its first token
-    still joins, or a burst's last newcomers wait behind a rotation of paused readers (burst 400 at
-    the paper's mix: five of them waited 8 s, TTFT p99 13.6 s instead of 6)."""
+    joining the working set; but the oldest, once it has waited a whole interval (1.5 s) for its
+    first token, still joins, or a burst's last newcomers wait behind a rotation of paused readers
+    (burst 400 at the paper's mix: five of them waited 8 s, TTFT p99 13.6 s instead of 6). Only
+    the oldest: letting all overdue newcomers in made the charged overload row thrash (4 of 6 runs
+    failed on rebuffering)."""
     engine = sim_engine("cpu-smollm2", "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     params = SamplingParams(max_tokens=100, ignore_eos=True, read_rate=10.0)
     paused = engine.add_request([1] * 20, params, arrival_time=0.0)
-    old, new = (engine.add_request([1] * 20, params, arrival_time=t) for t in (0.1, 1.9))
+    old, second, new = (engine.add_request([1] * 20, params, arrival_time=t) for t in (0.1, 0.2, 1.9))
     engine.clock.advance_to(2.0)
     paused.append(0, 1.9)
     paused.status, paused.dry_at = RequestStatus.PREEMPTED, 2.05
     urgency = {r: policy.urgency(s, r, 2.0) for r in s.waiting}
-    assert [urgency[r][0] for r in (paused, old, new)] == [0, 1, 1]
+    assert [urgency[r][0] for r in (paused, old, second, new)] == [0, 1, 1, 1]
     assert policy.working_set(s, [paused], 1000.0, urgency) == [paused, old]
 
 

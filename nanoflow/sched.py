@@ -615,8 +615,9 @@ class TokenFlow(FCFS):
         members = list(started)
         newcomers = [r for r in s.waiting if not r.started]
         if any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            # a paused reader runs dry: the estimates were kind; only those waited an interval join
-            newcomers = [r for r in newcomers if r.arrival_time <= s.clock() - self.config.interval]
+            # a paused reader runs dry: the estimates were kind; only the oldest newcomer joins, once
+            # it has waited an interval (more would push readers out, and the swaps feed each other)
+            newcomers = [r for r in newcomers[:1] if r.arrival_time <= s.clock() - self.config.interval]
         if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
             capacity /= self.config.capacity_share  # the last few need not wait for the reserve
         for r in newcomers:

@@ -716,7 +716,7 @@ class TokenFlow(FCFS):
         readers? A second's wait makes each token a request has still to stream a second late
         (Andes' QoE); a reader's stall counts stall_weight times. Held back, the chunk goes in free
         once every reader it would stall has read ahead by as much: each gains 1/read_rate - step
-        seconds a step, or finishes first."""
+        seconds a step, or finishes first; none is held for longer than an interval."""
         joining = [r for r in self.joining if r.status in WAITING_STATES]
         newcomers = [r for r in itertools.chain(s.running, joining) if not r.started]
         if not newcomers:

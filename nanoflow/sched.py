@@ -615,9 +615,10 @@ class TokenFlow(FCFS):
         members = list(started)
         newcomers = [r for r in s.waiting if not r.started]
         if any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            # a paused reader runs dry: the estimates were kind; only the oldest newcomer joins, once
-            # it has waited an interval (more would push readers out, and the swaps feed each other)
-            newcomers = [r for r in newcomers[:1] if r.arrival_time <= s.clock() - self.config.interval]
+            # a paused reader runs dry: the estimates were kind; only the oldest newcomer joins,
+            # once it has waited an interval (more push readers out, and the swaps feed each other)
+            due = s.clock() - self.config.interval
+            newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]
         if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
             capacity /= self.config.capacity_share  # the last few need not wait for the reserve
         for r in newcomers:
@@ -696,19 +697,19 @@ class TokenFlow(FCFS):
     def token_budget(self, s: Scheduler, now: float) -> int:
         """A token per running request, and prompt tokens while no reader runs dry meanwhile, or
         when the newcomers' wait they save outweighs the readers' stall they cost."""
+        full = s.max_num_batched_tokens
         decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
         if self.overloaded or decodes_only:
-            return s.max_num_batched_tokens  # readers stall anyway, or nothing to limit
+            return full  # readers stall anyway, or nothing to limit
         step = s.step_time()
-        # the running readers and the paused members that may resume now; one that reads faster
-        # than a token a step runs dry whatever the budget, so it holds no prompt back
-        readers = s.running + [r for r in self.joining if r.status == RequestStatus.PREEMPTED]
-        readers = [r for r in readers if r.started and r.read_rate * step < 1]
-        if self.prompts_outweigh_stalls(s, readers, now, step):
-            return s.max_num_batched_tokens
+        # running and resumable paused readers; one faster than a token a step holds no prompt back
+        paused = (r for r in self.joining if r.status == RequestStatus.PREEMPTED)
+        readers = [r for r in itertools.chain(s.running, paused)
+                   if r.started and r.read_rate * step < 1]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate
-        return int(min(s.max_num_batched_tokens, len(s.running) + prompt_tokens))
+        cut = int(min(full, len(s.running) + prompt_tokens))
+        return full if cut < full and self.prompts_outweigh_stalls(s, readers, now, step) else cut
 
     def prompts_outweigh_stalls(self, s: Scheduler, readers: list[Request], now: float,
                                 step: float) -> bool:

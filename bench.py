@@ -904,8 +904,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K chats")
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
-    add("--prompt-len", help="prompt (--multi-turn: message) tokens, MEAN[:SPREAD] of a normal "
-        "(default: 64:16)")
+    add("--prompt-len", help="prompt (--multi-turn: message) tokens MEAN[:SPREAD] (default: 64:16)")
     add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD] (default: 128:32)")
     add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
         "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
@@ -916,8 +915,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
     add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
         help="--simulate's cost model: %(choices)s (default: %(default)s)")
-    add("--replicas", type=int, metavar="N", help="--simulate a fleet of N replicas behind "
-        "--router (docs/fleet.md)")
+    add("--replicas", type=int, metavar="N", help="--simulate N replicas behind --router")
     add("--router", default="least-queue", help=f"--replicas: {', '.join(ROUTERS)}, or several "
         "with commas, each run in turn (default: %(default)s)")
     add("--find-replicas", action="store_true", help="--replicas: search the fewest replicas "

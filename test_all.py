@@ -38,7 +38,7 @@ from nanoflow.kv import KVPool  # noqa: E402
 from nanoflow.model import demo_checkpoint  # noqa: E402
 from nanoflow.sampler import processed_logits, sample, sampling_probs  # noqa: E402
 from nanoflow.tokenizer import IncrementalDetokenizer  # noqa: E402
-from nanoflow.sched import FCFS, FCFSConfig  # noqa: E402
+from nanoflow.sched import FCFS, FCFSConfig, StepRates  # noqa: E402
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
 from nanoflow.swap import Swapper  # noqa: E402
 
@@ -2160,18 +2160,26 @@ def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
     assert any(overloaded) and not chosen
 
 
-def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches():
+@pytest.mark.parametrize("num_kv_blocks, joins", [(None, (2, 1)), (180, (2, 1)), (100, (1, 1))])
+def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_kv_blocks, joins):
     """Readers ask for 80 tok/s of a capacity of 95 (80% of 118.75): newcomers join while they fit in
     95, but when every newcomer fits in the whole 118.75, all of them join (the last few of a burst
-    would otherwise wait for someone to finish: burst 400's 55 s TTFT p99 in some runs)."""
-    engine = sim_engine("cpu-smollm2", "tokenflow")
+    would otherwise wait for someone to finish: burst 400's 55 s TTFT p99 in some runs). The share
+    pays for switches: the default pool (256 blocks of 16 tokens) holds all ten at their mean size
+    (8 x (120 + 400 / 2) + 2 x (20 + 500 / 2) = 3,100 tokens) at once, and none is needed. Else the
+    device moves one request at a time, and one request's share of its batch is kept: 180 blocks
+    hold 2,880 x 10 / 3,100 = 9.3 of them, 100 of 118.75 x (1 - 1 / 9.3) = 106 tok/s may be asked;
+    100 blocks hold 5.2, only 96 tok/s, and the last newcomer waits (the tight-memory burst: all 30
+    readers joined at 2 tok/s each where the engine made 60 tok/s, and most of them stalled)."""
+    engine = sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=num_kv_blocks)
     s, policy = engine.scheduler, engine.scheduler.policy
+    assert s.kv.block_size == 16
     params = SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0)
     started = [engine.add_request([1] * 20, params) for _ in range(8)]
     for req in started:
         for _ in range(100):  # 10 s of reading buffered: nobody runs dry
             req.append(0, 0.0)
-    for num_newcomers, joining in [(2, 2), (4, 1)]:  # 100 or 120 tok/s in all
+    for num_newcomers, joining in zip([2, 4], joins):  # 100 or 120 tok/s in all
         newcomers = [engine.add_request([1] * 20, params) for _ in range(num_newcomers)]
         urgency = {r: policy.urgency(s, r, 0.0) for r in s.waiting}
         assert {u[0] for u in urgency.values()} == {1, 2}
@@ -2422,7 +2430,8 @@ def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
     base = "--simulate --uncharged --preset cpu-smollm2 --prompt-len 64:16 --output-len 128:32 --seed 3"
     rows = [("burst", "--burst 40 --read-rate 2", {"ttft_p99": 0.5}), ("overload", "--burst 40 --read-rate 20", {}),
             ("poisson", "--poisson 0.5 --duration 30 --read-rate 2", {}),
-            ("tight", "--burst 30 --num-kv-blocks 40 --read-rate 2", {})]
+            # a pool of 3-5 requests: whether the readers stall depends on who joins; ten workloads
+            *[(f"tight, seed {n}", f"--burst 30 --num-kv-blocks 40 --read-rate 2 --seed {n}", {}) for n in range(10)]]
     for name, f, t, misses in bench.run_matrix(rows, base):
         assert not misses, (name, misses)
 
@@ -3372,12 +3381,12 @@ def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, m
     """At 100 prompt tokens/s, four 50-token prompts start within START_BOUND_S (2 s): with
     --max-waiting 2, the seventh request finds 6 queued, 2 of them stuck, and gets 503. Retry-After:
     the one request over the limit, 10 tokens at a decode step of 0.5 s per request (a fitted line
-    through (2 requests, 1 s) with slope 0.5), is 10 x 0.5 = 5 s whatever the batch."""
+    through (1 request, 0.5 s) with slope 0.5), is 10 x 0.5 = 5 s whatever the batch."""
     rates = server.engine.scheduler.rates
     monkeypatch.setattr(server.loop, "max_waiting", 2)
     monkeypatch.setattr(rates, "observe", lambda *a: None)  # the test's rates, not the steps'
     monkeypatch.setattr(rates, "prefill_rate", 100.0)
-    monkeypatch.setattr(rates, "decode_moments", (2.0, 1.0, 6.0, 3.0))
+    monkeypatch.setattr(rates, "decode_moments", (1.0, 0.5, 3.0, 1.5))
     assert [rates.decode_time(b) for b in (1, 4)] == [0.5, 2.0]
     body = dict(prompt=list(range(3, 53)), max_tokens=10)
     streams = [open_stream(server, "/v1/completions", body) for _ in range(6)]
@@ -4341,6 +4350,44 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     urgency = {r: policy.urgency(s, r, 2.0) for r in s.waiting}
     assert [urgency[r][0] for r in (paused, old, second, new)] == [0, 1, 1, 1]
     assert policy.working_set(s, [paused], 1000.0, urgency) == [paused, old]
+
+
+def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
+    """The capacity a rebalance compares the readers' demand with comes from a line fitted
+    through decode steps (batch, seconds). A step that also ran prompt tokens says little about
+    decoding: the old code subtracted its prompts' estimated time and fitted what was left, so a
+    1% longer mixed step (0.0100 -> 0.0101 s, 800 prompt tokens at 80k tokens/s = 0.0100 s) turned
+    a left-over of <= 0 (skipped) into 0.0001 s (fitted) and moved the capacity at 250 running by
+    12%: readers asking 20,000 tokens/s flipped from past capacity (0.8 x 23,810 = 19,048) to
+    within it. Only pure decode steps are fitted now: the same decision whatever that step took."""
+    def capacity_after(mixed_step_s: float) -> float:
+        rates = StepRates()
+        rates.observe(0.1, 8000, 0)  # prompt tokens: 80,000/s
+        for i in range(30):  # decode steps of 200-250 requests: 8 ms + 10 us per request
+            batch = 200 + 10 * (i % 6)
+            rates.observe(0.008 + 0.00001 * batch, 0, batch)
+        rates.observe(mixed_step_s, 800, 256)
+        for _ in range(3):
+            rates.observe(0.0105, 0, 250)
+        return 0.8 * 250 / rates.decode_time(250)  # TokenFlow's capacity_share of it
+
+    capacities = [capacity_after(s) for s in (0.0099, 0.0100, 0.0101, 0.0103)]
+    assert capacities == pytest.approx([0.8 * 250 / 0.0105] * 4)  # 19,048 tokens/s
+    assert all(c < 20_000 for c in capacities)  # readers asking 20,000 tokens/s: past capacity
+
+
+def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
+    """Steps of 90-110 requests fit a steep line: 10 ms at 100 requests, +0.4 ms a request (moments
+    b = 100, t = 0.01, E[b^2] = 10,100, E[b x t] = 1.04: slope (1.04 - 1.0) / 100). Extrapolated down
+    to 50 requests the line gives -10 ms, and the old floor (a tenth of the step, 1 ms) promised
+    50,000 tokens/s where 100 requests made 10,000: a capacity ten times too kind. A decode step
+    reads the weights whatever its batch: below the batch measured, a step takes what was measured
+    (50 requests: 10 ms, 5,000 tokens/s). Above, the line."""
+    rates = StepRates()
+    rates.decode_moments = (100.0, 0.01, 10_100.0, 1.04)
+    assert rates.decode_time(50) == pytest.approx(0.01)
+    assert rates.decode_time(100) == pytest.approx(0.01)
+    assert rates.decode_time(150) == pytest.approx(0.03)  # 10 ms + 50 x 0.4 ms
 
 
 # A fast regime guard: three small rows of the regime matrix, the scheduler's time off the clock

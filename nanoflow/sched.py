@@ -190,7 +190,7 @@ class StepRates:
     """What the engine has measured, for the policies' estimates (EMAs of recent steps)."""
 
     prefill_rate: float = 2000.0  # prompt tokens/s on mostly-prefill steps (a guess until measured)
-    # EMAs of (batch, seconds, batch^2, batch x seconds) of each step's decode part, for a fit line
+    # EMAs of (batch, seconds, batch^2, batch x seconds) of decode steps (docs/scheduling.md)
     decode_moments: tuple[float, float, float, float] = (1.0, 0.05, 1.0, 0.05)
     ema: float = 0.2
     seen: Counter = field(default_factory=Counter)
@@ -198,9 +198,8 @@ class StepRates:
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         if prefill_tokens > decode_tokens:
             self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
-        decoding = seconds - prefill_tokens / self.prefill_rate
-        if decode_tokens and decoding > 0:
-            moments = (decode_tokens, decoding, decode_tokens**2, decode_tokens * decoding)
+        if decode_tokens and (not prefill_tokens or not self.seen["decode"]):
+            moments = (decode_tokens, seconds, decode_tokens**2, decode_tokens * seconds)
             self.decode_moments = self._ema("decode", self.decode_moments, moments)
 
     def decode_time(self, batch: float) -> float:
@@ -208,7 +207,7 @@ class StepRates:
         b, t, bb, bt = self.decode_moments
         spread = bb - b * b
         slope = max(0.0, (bt - b * t) / spread) if spread > 1.0 else 0.0
-        return max(t / 10, t + slope * (batch - b))
+        return t + slope * max(0.0, batch - b)  # fewer: as slow (a step reads all weights)
 
     def _ema(self, key: str, old, new):
         """The first measurement replaces the guess; later ones move the average."""
@@ -619,8 +618,12 @@ class TokenFlow(FCFS):
             # once it has waited an interval (more push readers out, and the swaps feed each other)
             due = s.clock() - self.config.interval
             newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]
-        if demand + sum(r.read_rate for r in newcomers) <= capacity / self.config.capacity_share:
-            capacity /= self.config.capacity_share  # the last few need not wait for the reserve
+        # the share kept for switches: none if all fit at once, else one request's share of a batch
+        fits = self.batch_that_fits(s, members + newcomers)
+        whole = capacity / self.config.capacity_share
+        whole *= 1 - 1 / fits if fits < len(members) + len(newcomers) else 1.0
+        if demand + sum(r.read_rate for r in newcomers) <= whole:
+            capacity = max(capacity, whole)  # the last few of a burst need not wait for the share
         for r in newcomers:
             demand += r.read_rate
             prefill -= r.num_new_tokens

@@ -919,7 +919,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--router", default="least-queue", help=f"--replicas: {', '.join(ROUTERS)}, or several "
         "with commas, each run in turn (default: %(default)s)")
     add("--find-replicas", action="store_true", help="--replicas: search the fewest replicas "
-        f"where {GOOD_SHARE:.0%} of requests reach QoE >= 0.95, from --replicas up or down")
+        f"where {GOOD_SHARE * 100:.0f}%% of requests reach QoE >= 0.95, from --replicas up or down")
     add("--scrape-interval", type=float, default=1.0, help="--replicas: s between the router's "
         "scrapes of /metrics (default: %(default)s)")
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")

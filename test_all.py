@@ -1884,6 +1884,15 @@ def test_help_explains_every_option(capsys):
         assert flag in text
 
 
+def test_bench_help_prints(capsys):
+    """`python bench.py --help` formats every option's help (a stray % once made it crash)."""
+    with pytest.raises(SystemExit) as exit:
+        bench.parse_args(["--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert "where 97% of" in " ".join(text.split())
+
+
 def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main() builds."""
     # --log-level sets the level of the "nanoflow" logger for the whole process

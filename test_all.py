@@ -4385,6 +4385,24 @@ def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
     assert all(c < 20_000 for c in capacities)  # readers asking 20,000 tokens/s: past capacity
 
 
+def test_tiny_prompt_chunks_do_not_drag_the_prefill_rate_down_by_hand():
+    """Multi-turn chat on the CPU (docs/results.md): readers a little slower than a step leave a
+    prompt chunk of ~20 tokens a step, and such a step (2 decodes + 20 prompt tokens) takes 0.05 s,
+    almost all of it the decode's 0.035 s. Learned from it, the prefill rate sank toward 20 / 0.05 =
+    400 tokens/s (after ten steps 400 + 850 x 0.8^10 = 491), the next chunks shrank with it, and a
+    new turn waited seconds. A step teaches the prefill rate only when its prompts, at the rate known,
+    take longer than its decodes: 20 / 1,250 = 0.016 s < 0.035 s is skipped; 500 tokens are not."""
+    rates = StepRates()
+    rates.observe(0.4, 500, 0)  # a first prompt: 1,250 tokens/s
+    for _ in range(5):
+        rates.observe(0.035, 0, 2)
+    for _ in range(10):
+        rates.observe(0.05, 20, 2)
+    assert rates.prefill_rate == pytest.approx(1250)
+    rates.observe(0.44, 500, 2)  # prompts take most of this step: 500 / 0.44 = 1,136 tokens/s
+    assert rates.prefill_rate == pytest.approx(1250 + 0.2 * (500 / 0.44 - 1250))
+
+
 def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
     """Steps of 90-110 requests fit a steep line: 10 ms at 100 requests, +0.4 ms a request (moments
     b = 100, t = 0.01, E[b^2] = 10,100, E[b x t] = 1.04: slope (1.04 - 1.0) / 100). Extrapolated down

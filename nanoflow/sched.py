@@ -196,7 +196,7 @@ class StepRates:
     seen: Counter = field(default_factory=Counter)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
-        if prefill_tokens > decode_tokens:
+        if prefill_tokens / self.prefill_rate > self.decode_time(decode_tokens):  # prompts dominate
             self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
         if decode_tokens and (not prefill_tokens or not self.seen["decode"]):
             moments = (decode_tokens, seconds, decode_tokens**2, decode_tokens * seconds)

@@ -4341,13 +4341,19 @@ def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(rate,
     assert policy.token_budget(s, 0.0) == budget
 
 
-def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_dry_by_hand():
-    """A paused reader about to run dry says the capacity estimate was kind, and newcomers stop
-    joining the working set; but the oldest, once it has waited a whole interval (1.5 s) for its
-    first token, still joins, or a burst's last newcomers wait behind a rotation of paused readers
-    (burst 400 at the paper's mix: five of them waited 8 s, TTFT p99 13.6 s instead of 6). Only
-    the oldest: letting all overdue newcomers in made the charged overload row thrash (4 of 6 runs
-    failed on rebuffering)."""
+@pytest.mark.parametrize("overloaded", [True, False])
+def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_dry_by_hand(overloaded):
+    """Past capacity (the started readers alone ask for more than the engine makes), a paused
+    reader about to run dry says the estimates were kind, and newcomers stop joining the working
+    set; but the oldest, once it has waited a whole interval (1.5 s) for its first token, still
+    joins, or a burst's last newcomers wait behind a rotation of paused readers (burst 400 at the
+    paper's mix: five of them waited 8 s, TTFT p99 13.6 s instead of 6). Only the oldest: letting
+    all overdue newcomers in made the charged overload row thrash (4 of 6 runs failed on
+    rebuffering). Within capacity a paused reader about to run dry is the rotation at work (it is
+    back at this rebalance), and the newcomers join while capacity lasts: all three here (3 x 10
+    tokens/s with the reader's 10, against 1,000). With the limit there too, the long-output burst's
+    newcomers joined one an interval while the readers' growing outputs shrank the capacity past
+    their demand, and the last 32 waited ~100 s (TTFT p99 100 s against 8-12 s)."""
     engine = sim_engine("cpu-smollm2", "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     params = SamplingParams(max_tokens=100, ignore_eos=True, read_rate=10.0)
@@ -4358,7 +4364,9 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     paused.status, paused.dry_at = RequestStatus.PREEMPTED, 2.05
     urgency = {r: policy.urgency(s, r, 2.0) for r in s.waiting}
     assert [urgency[r][0] for r in (paused, old, second, new)] == [0, 1, 1, 1]
-    assert policy.working_set(s, [paused], 1000.0, urgency) == [paused, old]
+    policy.overloaded = overloaded
+    joined = [old] if overloaded else [old, second, new]
+    assert policy.working_set(s, [paused], 1000.0, urgency) == [paused, *joined]
 
 
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():

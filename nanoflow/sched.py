@@ -613,9 +613,9 @@ class TokenFlow(FCFS):
         prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
         newcomers = [r for r in s.waiting if not r.started]
-        if any(urgency[r][0] == 0 for r in s.waiting if r.started):
-            # a paused reader runs dry: the estimates were kind; only the oldest newcomer joins,
-            # once it has waited an interval (more push readers out, and the swaps feed each other)
+        if self.overloaded and any(urgency[r][0] == 0 for r in s.waiting if r.started):
+            # past capacity a paused reader runs dry: the estimates were kind; only the oldest
+            # newcomer joins, once it waited an interval (more push readers out, swaps feed swaps)
             due = s.clock() - self.config.interval
             newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]
         # the share kept for switches: none if all fit at once, else one request's share of a batch

@@ -4319,16 +4319,16 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     assert policy.token_budget(s, 0.0) == 52
 
 
-@pytest.mark.parametrize("rate, max_tokens, budget", [(2.0, 50, 10**4), (2.0, 30, 26), (3.5, 4, 10**4)])
+@pytest.mark.parametrize("rate, max_tokens, budget", [(2.0, 30, 10**4), (2.0, 15, 26), (3.5, 2, 10**4)])
 def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(rate, max_tokens, budget):
     """One reader (2 tok/s, 20 tokens left) has 0.5 s of slack; steps take 0.25 s; a newcomer's 50
     prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 - 0.5 =
-    0.25 s: 0.25 x 20 tokens late = 5, twice that (stall_weight) 10. Held back, the reader gains
-    0.5 - 0.25 s a step, so the chunk is free in one step, 0.25 s: the newcomer's tokens are each
-    0.25 s later. 50 tokens x 0.25 = 12.5 > 10: the whole budget; 30 x 0.25 = 7.5 < 10: only what
-    the slack leaves, (0.5 - 0.25) x 100 = 25 prompt tokens, and the decode. A reader at 3.5 tok/s
-    gains 0.036 s a step: the chunk would be free in 7 steps (1.75 s), after the next rebalance (an
-    interval, 1.5 s): prompts are not held that long, although 4 tokens x 1.75 = 7 < 10."""
+    0.25 s: 0.25 x 20 tokens late = 5 (stall_weight 1). Held back, the reader gains 0.5 - 0.25 s a
+    step, so the chunk is free in one step, 0.25 s: the newcomer's tokens are each 0.25 s later.
+    30 tokens x 0.25 = 7.5 > 5: the whole budget; 15 x 0.25 = 3.75 < 5: only what the slack leaves,
+    (0.5 - 0.25) x 100 = 25 prompt tokens, and the decode. A reader at 3.5 tok/s gains 0.036 s a
+    step: the chunk would be free in 7 steps (1.75 s), after the next rebalance (an interval,
+    1.5 s): prompts are not held that long, although 2 tokens x 1.75 = 3.5 < 5."""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     reader = running_request(engine, 16, 21, rate=rate)

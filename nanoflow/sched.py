@@ -533,7 +533,7 @@ class TokenFlowConfig:
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
     hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
     write_through_below: float = 0.2  # share of free device KV under which to write through
-    stall_weight: float = 2.0  # a reader's second of stall against a newcomer's second of wait
+    stall_weight: float = 1.0  # a reader's second of stall against a newcomer's second of wait
 
     @classmethod
     def parse(cls, text: str) -> "TokenFlowConfig":

@@ -282,15 +282,15 @@ class Scheduler:
         short = False
         scheduled = {}
         # runs once per request per step: attributes, not properties; decodes, then prompt chunks
-        order = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens == 1]
-        order += [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]
-        bs = self.kv.block_size
+        order = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)
+        bs, running = self.kv.block_size, RequestStatus.RUNNING
         for req in order:
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING or not loaded(req):
+            if req.status is not running or not loaded(req):
                 continue  # preempted for an older one, or its KV is on its way
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            n = len(req.token_ids) - req.num_computed_tokens
+            n = n if n < budget else budget
             if req.num_computed_tokens + n <= len(req.block_table) * bs:
                 scheduled[req] = n  # its last block has room: most decodes
                 budget -= n

@@ -281,7 +281,7 @@ class Scheduler:
         budget = self.policy.token_budget(self, now)
         short = False
         scheduled = {}
-        # runs once per request per step: attributes, not properties; decodes, then prompt chunks
+        # runs once per request per step: attributes, no properties, no min(); decodes, then chunks
         order = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)
         bs, running = self.kv.block_size, RequestStatus.RUNNING
         for req in order:

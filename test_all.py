@@ -2192,7 +2192,7 @@ def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_k
         newcomers = [engine.add_request([1] * 20, params) for _ in range(num_newcomers)]
         urgency = {r: policy.urgency(s, r, 0.0) for r in s.waiting}
         assert {u[0] for u in urgency.values()} == {1, 2}
-        members = policy.working_set(s, started, 95.0, urgency)
+        members = policy.working_set(s, started, policy.lifetime_size(started), 95.0, urgency)
         assert members == started + newcomers[:joining]
         for req in newcomers:
             s.waiting.remove(req)
@@ -4366,7 +4366,7 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     assert [urgency[r][0] for r in (paused, old, second, new)] == [0, 1, 1, 1]
     policy.overloaded = overloaded
     joined = [old] if overloaded else [old, second, new]
-    assert policy.working_set(s, [paused], 1000.0, urgency) == [paused, *joined]
+    assert policy.working_set(s, [paused], policy.lifetime_size([paused]), 1000.0, urgency) == [paused, *joined]
 
 
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():

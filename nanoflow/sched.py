@@ -227,9 +227,7 @@ class Scheduler:
                  config: TokenFlowConfig | None = None, enable_prefix_caching: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.kv = kv
-        self.swapper = swapper
-        self.clock = clock
+        self.kv, self.swapper, self.clock = kv, swapper, clock
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = make_policy(policy, config) if isinstance(policy, str) else policy
         self.max_num_seqs = max_num_seqs
@@ -254,7 +252,7 @@ class Scheduler:
         # FCFS has no interval of its own: TokenFlow's default
         horizon = getattr(self.policy, "config", TokenFlowConfig).interval
         demand = sum(r.read_rate for r in readers)
-        capacity = self.policy.capacity(self, started)
+        capacity = self.policy.capacity(self, len(started), self.policy.lifetime_size(started))
         return {"reader_demand_tokens_per_second": demand,
                 "capacity_tokens_per_second": capacity, "past_capacity": int(demand > capacity),
                 "readers_dry_soon": sum(r.dry_at < now + horizon for r in started)}
@@ -279,8 +277,7 @@ class Scheduler:
     def _schedule_running(self, now: float) -> tuple[dict[Request, int], int, bool]:
         """Tokens for the running requests; the budget left; whether memory ran short."""
         budget = self.policy.token_budget(self, now)
-        short = False
-        scheduled = {}
+        scheduled, short = {}, False
         # runs once per request per step: attributes, no properties, no min(); decodes, then chunks
         order = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)
         bs, running = self.kv.block_size, RequestStatus.RUNNING
@@ -361,8 +358,7 @@ class Scheduler:
         bs = self.kv.block_size
         hashes = self.hashes(req, (req.num_tokens - 1) // bs)
         blocks = self.kv.match_prefix(hashes)
-        req.block_table = blocks
-        req.num_cached_blocks = len(blocks)
+        req.block_table, req.num_cached_blocks = blocks, len(blocks)
         req.num_computed_tokens = len(blocks) * bs
         self.counters["prefix_queried_tokens"] += req.num_tokens
         self.counters["prefix_hit_tokens"] += req.num_computed_tokens
@@ -405,8 +401,7 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         self._release(req, to_host=self.policy.evicts_to_host)
-        req.num_computed_tokens = 0
-        req.num_cached_blocks = 0
+        req.num_computed_tokens = req.num_cached_blocks = 0
         req.num_preemptions += 1
         self.counters["preemptions"] += 1
         req.status, req.last_moved = RequestStatus.PREEMPTED, self.clock()
@@ -489,19 +484,23 @@ class FCFS:
         left = min(req.num_tokens_left, self.fcfs.clip_max_new_tokens)
         return s.blocks_to_decode(req) * s.kv.block_size + int(left * self.new_token_ratio)
 
-    def capacity(self, s: Scheduler, started: list[Request], share: float = 1.0) -> float:
+    def capacity(self, s: Scheduler, n: int, size: float, share: float = 1.0) -> float:
         """`share` of the engine's measured tokens/s at the batch its memory holds (TokenFlow's
         working set takes capacity_share of it; the buffer signal reports all of it)."""
-        batch = self.batch_that_fits(s, started)
+        batch = self.batch_that_fits(s, n, size)
         return share * batch / s.rates.decode_time(batch)
 
-    def batch_that_fits(self, s: Scheduler, started: list[Request]) -> float:
-        """Requests the device holds at their mean size over the rest of their lives."""
-        if not started:
+    def batch_that_fits(self, s: Scheduler, n: int, size: float) -> float:
+        """Requests the device holds, were n requests of `size` tokens in all (lifetime_size)."""
+        if not n:
             return float(s.max_num_seqs)
-        clip = self.fcfs.clip_max_new_tokens
-        size = sum(r.num_tokens + min(r.num_tokens_left, clip) / 2 for r in started)
-        return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * len(started) / size)
+        return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * n / size)
+
+    def lifetime_size(self, reqs: Iterable[Request], start: float = 0.0) -> float:
+        """KV tokens reqs hold over the rest of their lives on average, summed (onto start)."""
+        clip = self.fcfs.clip_max_new_tokens  # attributes, not properties: a rebalance sums 1,000s
+        return sum((len(r.token_ids) + min(r.params.max_tokens + len(r.prompt_token_ids)
+                    - len(r.token_ids), clip) / 2 for r in reqs), start)
 
     def victim(self, s: Scheduler, now: float) -> Request:
         """SGLang's order: the least output, then the longest prompt (the cheapest to redo)."""
@@ -579,9 +578,10 @@ class TokenFlow(FCFS):
         step = s.step_time()  # once: a rebalance asks for it per request
         urgency = {r: self.urgency(s, r, now, step) for r in itertools.chain(s.running, s.waiting)}
         started = [r for r in urgency if r.started]
-        capacity = self.capacity(s, started, self.config.capacity_share)
+        size = self.lifetime_size(started)  # once: the capacity and the working set use it
+        capacity = self.capacity(s, len(started), size, self.config.capacity_share)
         self.overloaded = sum(r.read_rate for r in started) > capacity
-        members = self.working_set(s, started, capacity, urgency)
+        members = self.working_set(s, started, size, capacity, urgency)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
         self.joining = sorted((r for r in s.waiting if r in self.keep), key=urgency.get)
         return self.victims(s, now, urgency)
@@ -606,7 +606,7 @@ class TokenFlow(FCFS):
                 link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
         return out
 
-    def working_set(self, s: Scheduler, started: list[Request], capacity: float,
+    def working_set(self, s: Scheduler, started: list[Request], size: float, capacity: float,
                     urgency: dict[Request, tuple[int, float]]) -> list[Request]:
         """The started requests, and newcomers while capacity and an interval's prefill last."""
         demand = sum(r.read_rate for r in started)
@@ -619,9 +619,10 @@ class TokenFlow(FCFS):
             due = s.clock() - self.config.interval
             newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]
         # the share kept for switches: none if all fit at once, else one request's share of a batch
-        fits = self.batch_that_fits(s, members + newcomers)
+        n = len(members) + len(newcomers)
+        fits = self.batch_that_fits(s, n, self.lifetime_size(newcomers, size))
         whole = capacity / self.config.capacity_share
-        whole *= 1 - 1 / fits if fits < len(members) + len(newcomers) else 1.0
+        whole *= 1 - 1 / fits if fits < n else 1.0
         if demand + sum(r.read_rate for r in newcomers) <= whole:
             capacity = max(capacity, whole)  # the last few of a burst need not wait for the share
         for r in newcomers:
@@ -692,18 +693,17 @@ class TokenFlow(FCFS):
     def victim(self, s: Scheduler, now: float) -> Request:
         """A reader that can wait a switch, else the newest newcomer, else the most buffered."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
-        if can_wait:
-            return max(can_wait, key=lambda r: r.dry_at)
         fresh = [r for r in s.running if not r.started]
-        return fresh[-1] if fresh else max(s.running, key=lambda r: r.dry_at)
+        if fresh and not can_wait:
+            return fresh[-1]
+        return max(can_wait or s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
         """A token per running request, and prompt tokens while no reader runs dry meanwhile, or
         when the newcomers' wait they save outweighs the readers' stall they cost."""
         full = s.max_num_batched_tokens
-        decodes_only = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
-        if self.overloaded or decodes_only:
-            return full  # readers stall anyway, or nothing to limit
+        if self.overloaded or not s.waiting and all(r.num_new_tokens <= 1 for r in s.running):
+            return full  # readers stall anyway, or only decodes: nothing to limit
         step = s.step_time()
         # running and resumable paused readers; one faster than a token a step holds no prompt back
         paused = (r for r in self.joining if r.status == RequestStatus.PREEMPTED)

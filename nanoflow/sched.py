@@ -497,8 +497,9 @@ class FCFS:
         return min(s.max_num_seqs, s.kv.num_blocks * s.kv.block_size * n / size)
 
     def lifetime_size(self, reqs: Iterable[Request], start: float = 0.0) -> float:
-        """KV tokens reqs hold over the rest of their lives on average, summed (onto start)."""
-        clip = self.fcfs.clip_max_new_tokens  # attributes, not properties: a rebalance sums 1,000s
+        """KV tokens reqs hold on average over the rest of their lives, summed onto start: each its
+        num_tokens + num_tokens_left / 2 (clipped), inlined: a rebalance sums over 1,000s."""
+        clip = self.fcfs.clip_max_new_tokens
         return sum((len(r.token_ids) + min(r.params.max_tokens + len(r.prompt_token_ids)
                     - len(r.token_ids), clip) / 2 for r in reqs), start)
 

@@ -38,13 +38,15 @@ import torch
 
 from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
-from nanoflow.engine import READ_RATE_MAX, DecodeGraphs, EngineConfig, clamp_read_rate
+from nanoflow.engine import (READ_RATE_MAX, DecodeGraphs, EngineConfig, busy_cpu_seconds,
+                             clamp_read_rate, compute_threads)
 from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig, make_policy
-from nanoflow.sim import LLAMA3_8B, PRESETS, build_engine, calibrate, kv_bytes_per_token
+from nanoflow.sim import (LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate,
+                          kv_bytes_per_token)
 from nanoflow.swap import Swapper
 
 TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: "
@@ -66,7 +68,8 @@ PROMPT_VOCAB = 256  # prompt ids are drawn below this: valid for every model; co
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
 ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
-                "max_num_batched_tokens", "enable_prefix_caching", "tokenflow"]
+                "max_num_batched_tokens", "enable_prefix_caching", "tokenflow", "cpu_threads"]
+NOT_QUIET_SHARE = 0.05  # other processes' share of the CPUs during a run that makes it suspect
 COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device",
             "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
 
@@ -257,6 +260,35 @@ def decode_rates(records: list) -> tuple[float, float]:
 
 
 @dataclass
+class MachineWatch:
+    """What the rest of the machine did during a real-engine run: the load average before and
+    after, and the share of the CPUs that other processes used. A CPU engine's step slows down
+    several times when another process computes beside it, so such a run is not evidence."""
+
+    load_before: float = field(default_factory=lambda: os.getloadavg()[0])
+    busy: float = field(default_factory=busy_cpu_seconds)
+    own: float = field(default_factory=time.process_time)
+    wall: float = field(default_factory=time.monotonic)
+
+    def report(self) -> dict:
+        wall = time.monotonic() - self.wall
+        share = float("nan")  # not on Linux: unknown
+        if self.busy is not None:
+            others = busy_cpu_seconds() - self.busy - (time.process_time() - self.own)
+            share = max(0.0, others) / max(wall * os.cpu_count(), 1e-9)
+        return {"load_before": self.load_before, "load_after": os.getloadavg()[0],
+                "others_cpu_share": share}
+
+
+def describe_machine(name: str, m: dict) -> str:
+    line = (f"{name}: load average {m['load_before']:.2f} before, {m['load_after']:.2f} after; "
+            f"other processes used {m['others_cpu_share']:.0%} of the CPUs")
+    if m["others_cpu_share"] > NOT_QUIET_SHARE:
+        line += " -- WARNING: the machine was not quiet; these numbers are not evidence"
+    return line
+
+
+@dataclass
 class Run:
     """One policy's pass over the workload."""
 
@@ -267,6 +299,8 @@ class Run:
     wall: float = 0.0
     requests: list = field(default_factory=list)  # the engine's, in the workload's order
     ttft_slo: float = TTFT_SLO
+    machine: dict = field(default_factory=dict)  # MachineWatch.report() of a real-engine run
+    decisions: list = field(default_factory=list)  # --fidelity: every Decision of the run
 
     @functools.cached_property
     def summary(self) -> dict:
@@ -431,7 +465,7 @@ def engine_factory(args: argparse.Namespace, w: Workload):
                                  host_kv_gb=args.host_kv_gb, jitter=args.jitter,
                                  seed=args.jitter_seed,
                                  enable_prefix_caching=args.enable_prefix_caching)
-        return make, f"simulated: {PRESETS[args.preset]().describe()}"
+        return make, f"simulated: {cost_model(args.preset).describe()}"
     host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
     options = {**EngineConfig.flag_values(args, ENGINE_FLAGS), "num_kv_blocks": blocks,
                "block_size": BLOCK_SIZE, "host_kv_gb": host_kv_gb}
@@ -441,6 +475,11 @@ def engine_factory(args: argparse.Namespace, w: Workload):
     return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), f"real engine: {where}"
 
 
+def cost_model(preset: str | CostModel) -> CostModel:
+    """--preset's cost model, or the one --fidelity fitted to this engine."""
+    return preset if isinstance(preset, CostModel) else PRESETS[preset]()
+
+
 def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Workload, dict]:
     """Each policy on a fresh engine: the same warm-up probe, then the identical workload."""
     make, where = engine_factory(args, w)
@@ -448,6 +487,8 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
     for policy in args.policies.split(","):
         engine = make(policy=policy)
         blocks = engine.stats()["device_blocks_total"]
+        if not args.simulate:
+            info["threads"] = compute_threads(engine)
         context = min(engine.max_model_len, blocks * BLOCK_SIZE)  # the pool must hold a request
         w = w.clamped(context)
         probe = probe_workload(w, blocks, engine.scheduler.max_num_batched_tokens)
@@ -463,7 +504,11 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             run_fleet = find_replicas if args.find_replicas else drive_fleet
             runs += [run_fleet(engine, w, policy, r, args) for r in args.router.split(",")]
         else:
+            watch = MachineWatch()
+            decisions = record_decisions(engine.scheduler) if args.fidelity else []
             runs.append(drive(engine, w, policy))
+            runs[-1].machine = {} if args.simulate else watch.report()
+            runs[-1].decisions = decisions
         del engine
         free_device_memory()
     return runs, w, info
@@ -474,6 +519,133 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- fidelity: the simulator beside the engine
+
+
+@dataclass
+class Decision:
+    """One schedule() that ran something: who got how many tokens, and what the policy saw."""
+
+    at: float  # the engine's clock
+    ran: dict  # request -> new tokens this step
+    seen: dict  # request -> (status, output tokens, seconds until its reader runs dry)
+    step_s: float  # the policy's estimate of a decode step of the running batch
+    prefill_rate: float  # ...and of prompt tokens/s
+    free_blocks: int
+
+
+def record_decisions(scheduler) -> list[Decision]:
+    """Log scheduler's decisions from now on (the bench's own trace; the engine is unchanged)."""
+    log, decide = [], scheduler.schedule
+
+    def schedule():
+        now = scheduler.clock()
+        seen = {r: (r.status.value, r.num_output_tokens, r.dry_at - now)
+                for r in itertools.chain(scheduler.running, scheduler.waiting)}
+        step_s, free = scheduler.step_time(), scheduler.kv.num_free
+        out = decide()
+        if out:
+            log.append(Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free))
+        return out
+
+    scheduler.schedule = schedule
+    return log
+
+
+FIDELITY_METRICS = [("TTFT p50 (s)", "ttft_p50"), ("TTFT p99 (s)", "ttft_p99"),
+                    ("rebuffer mean (s)", "rebuffer_mean"), ("QoE mean", "qoe_mean"),
+                    ("throughput (tok/s)", "throughput"), ("preemptions", "preemptions")]
+REBUFFER_SLACK_S = 0.5  # rebuffer mean: within 15% or this many seconds (issue 40)
+
+
+def fidelity_table(real: list[Run], sim: list[Run]) -> str:
+    """Each metric on the engine and on the simulator, and the simulator's relative error."""
+    lines = [["", *(f"{r.name} {side}" for r in real for side in ("real", "sim", "error"))]]
+    for label, key in FIDELITY_METRICS:
+        row = [label]
+        for a, b in zip(real, sim):
+            x, y = a.summary[key], b.summary[key]
+            row += [f"{x:.3g}", f"{y:.3g}", f"{(y - x) / x:+.0%}" if x else "-"]
+        lines.append(row)
+    widths = [max(map(len, column)) for column in zip(*lines)]
+    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
+                               for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
+
+
+def by_index(run: Run) -> dict:
+    return {id(r): i for i, r in enumerate(run.requests)}
+
+
+def first_parting(real: Run, sim: Run, shown: int = 8) -> str:
+    """The first decision at which the two schedules differ, with the policy's inputs beside."""
+    ri, si = by_index(real), by_index(sim)
+    for k, (a, b) in enumerate(zip(real.decisions, sim.decisions)):
+        ran_a = {ri[id(r)]: n for r, n in a.ran.items()}
+        ran_b = {si[id(r)]: n for r, n in b.ran.items()}
+        if ran_a == ran_b:
+            continue
+        seen_a = {ri[id(r)]: v for r, v in a.seen.items()}
+        seen_b = {si[id(r)]: v for r, v in b.seen.items()}
+        t0, t1 = real.start, sim.start
+        lines = [f"{real.name}: the schedules part at decision {k} (real t={a.at - t0:.2f} s, "
+                 f"sim t={b.at - t1:.2f} s)",
+                 f"  step estimate real {a.step_s * 1e3:.0f} ms, sim {b.step_s * 1e3:.0f} ms; "
+                 f"prefill rate real {a.prefill_rate:.0f}, sim {b.prefill_rate:.0f} tok/s; "
+                 f"free blocks real {a.free_blocks}, sim {b.free_blocks}",
+                 "  request: real (state, output tokens, s to dry, tokens run) | sim (same)"]
+        differ = sorted(i for i in seen_a.keys() | seen_b.keys() if ran_a.get(i) != ran_b.get(i))
+        for i in differ[:shown]:
+            lines.append(f"  #{i}: {seen_side(seen_a.get(i), ran_a.get(i))} | "
+                         f"{seen_side(seen_b.get(i), ran_b.get(i))}")
+        if len(differ) > shown:
+            lines.append(f"  ... and {len(differ) - shown} more")
+        return "\n".join(lines)
+    common = min(len(real.decisions), len(sim.decisions))
+    return (f"{real.name}: the same {common} decisions (the engine made {len(real.decisions)}, "
+            f"the simulator {len(sim.decisions)})")
+
+
+def seen_side(seen: tuple | None, ran: int | None) -> str:
+    if seen is None:
+        return "not there"
+    status, tokens, dry = seen
+    return f"{status}, {tokens}, {dry:+.2f}, {ran or 0}"
+
+
+def fidelity(args: argparse.Namespace) -> None:
+    """Fit the cost model on this engine, run the workload on the engine, replay it on the
+    simulator with that fit, per policy: the simulator's error and where the schedules part."""
+    args.prompt_len = args.prompt_len or "64:16"
+    w = build_workload(args)
+    options = {"device": args.device, "dtype": args.dtype, "cpu_threads": args.cpu_threads}
+    fit = calibrate(LLM(args.ckpt, **options))
+    free_device_memory()
+    real, w, info = run_policies(args, w)
+    cost = dataclasses.replace(fit, num_kv_blocks=info["kv_blocks"])
+    host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
+    sim_args = argparse.Namespace(**{**vars(args), "simulate": True, "preset": cost,
+                                     "num_kv_blocks": info["kv_blocks"], "host_kv_gb": host_kv_gb,
+                                     "read_rate": args.read_rate})
+    sim, _, _ = run_policies(sim_args, w)
+    slo = ttft_slo(args)
+    for run in real + sim:
+        run.ttft_slo = slo
+    print(f"workload: {w.source}; seed {args.seed}; readers {args.read_rate}")
+    print(f"engine: {info['engine']}; compute: {info['threads']}")
+    print(f"fitted in this run: {cost.describe()}")
+    print(fidelity_table(real, sim))
+    for a, b in zip(real, sim):
+        print(first_parting(a, b))
+    for run in real:
+        print(describe_machine(run.name, run.machine))
+    if args.json:
+        rows = {r.name: {"real": r.summary, "sim": s.summary, "machine": r.machine}
+                for r, s in zip(real, sim)}
+        Path(args.json).write_text(json.dumps({"args": {**vars(args), "tokenflow": None},
+                                               "fit": cost.describe(), "policies": rows},
+                                              indent=2, default=str))
 
 
 # ---------------------------------------------------------------- output
@@ -929,6 +1101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--repeat", type=int, default=1, metavar="K", help="--matrix: each row K times (jitter "
         "seeds 0..K-1): its worst run and how many of K pass")
     add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
+    add("--fidelity", action="store_true", help="the workload on this engine and on the "
+        "simulator with a cost model fitted in the same run: the simulator's error per metric")
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
@@ -966,6 +1140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--replicas N (>= 1) needs --simulate and no --multi-turn; --scrape-interval > 0")
     if not set(args.router.split(",")) <= set(ROUTERS):
         ap.error(f"--router: choose from {', '.join(ROUTERS)}")
+    if args.fidelity and (args.read_rate == "auto" or args.simulate or args.http
+                          or args.replicas or not any(workload)):
+        ap.error("--fidelity needs a workload, --read-rate (both sides read the same) and the "
+                 "real engine (no --simulate, --http or --replicas)")
     if args.http and (args.read_rate == "auto" or args.multi_turn):
         ap.error("--http needs --read-rate (auto measures an engine in this process) and no "
                  "--multi-turn (a later turn needs the answer's tokens)")
@@ -989,7 +1167,10 @@ def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
 
 def ttft_slo(args: argparse.Namespace) -> float:
     """--ttft-slo, else 2 s on a GPU (or its simulation) and CPU_SLO_SCALE times that on a CPU."""
-    on_cpu = args.preset.startswith("cpu") if args.simulate else not torch.cuda.is_available()
+    if args.simulate:  # a CPU preset, or the cost model fitted to this (CPU) engine
+        on_cpu = cost_model(args.preset).name.startswith(("cpu", "calibrated"))
+    else:
+        on_cpu = not torch.cuda.is_available()
     return args.ttft_slo or TTFT_SLO * (CPU_SLO_SCALE if on_cpu else 1)
 
 
@@ -1000,6 +1181,8 @@ def serving_bench(args: argparse.Namespace) -> None:
     runs, w, info = run_workload(args)
     print(f"workload: {w.source}; seed {args.seed}")
     print(f"engine: {info['engine']}")
+    if "threads" in info:
+        print(f"compute: {info['threads']}")
     if "kv_blocks" in info:
         print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
               f"{info['probe_batch']} of the {len(w)} requests at full length")
@@ -1011,12 +1194,15 @@ def serving_bench(args: argparse.Namespace) -> None:
               f"{w.block_tokens}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
               f"{lru_hit_rate(ids, math.inf):.1%}")
     print(table(runs))
+    for run in runs:
+        if run.machine:
+            print(describe_machine(run.name, run.machine))
     config = {**vars(args), "tokenflow": dataclasses.asdict(args.tokenflow or TokenFlowConfig()),
               **info, "mean_rate": sum(w.rate) / len(w), "workload": w.source,
-              "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
+              "machine": f"{platform.platform()}, {info.get('threads', 'simulated')}",
               **({"trace_credit": credit} if args.trace else {})}
     if args.json:
-        policies = {r.name: r.summary for r in runs}
+        policies = {r.name: {**r.summary, "machine": r.machine} for r in runs}
         Path(args.json).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
     if args.plot:
         plot(runs, args.plot)
@@ -1049,7 +1235,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.calibrate:
         print(calibrate(LLM(args.ckpt, device=args.device, dtype=args.dtype)).describe())
-    if args.burst or args.poisson or args.trace or args.multi_turn:
+    if args.fidelity:
+        fidelity(args)
+    elif args.burst or args.poisson or args.trace or args.multi_turn:
         serving_bench(args)
     if args.sched_cost:
         sched_cost()

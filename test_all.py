@@ -5,6 +5,7 @@ kernels, an uninterrupted run for anything that batches, chunks or preempts.
 """
 
 import contextlib
+import functools
 import gc
 import http.client
 import json
@@ -1895,8 +1896,10 @@ def test_bench_help_prints(capsys):
 
 def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main() builds."""
-    # --log-level sets the level of the "nanoflow" logger for the whole process
+    # --log-level sets the level of the "nanoflow" logger for the whole process; --cpu-threads
+    # torch's thread count
     request.addfinalizer(lambda: logging.getLogger("nanoflow").setLevel(logging.NOTSET))
+    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
 
     def built_by(*flags: str) -> serve.Server:
         built, make_llm = {}, serve.LLM
@@ -1924,7 +1927,7 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
                      "--served-model-name", "a", "b", "--chat-template", str(template),
                      "--allowed-origins", "http://x", "*", "--override-generation-config",
                      '{"temperature": 0.25}', "--log-level", "warning",
-                     "--no-enable-prefix-caching")
+                     "--no-enable-prefix-caching", "--cpu-threads", "1")
     engine, server = built["llm"].engine, built["server"]
     assert not engine.scheduler.enable_prefix_caching
     block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
@@ -1941,6 +1944,7 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     assert server.allowed_origins == ["http://x", "*"]
     assert server.generation_config == {"temperature": 0.25}
     assert logging.getLogger("nanoflow").level == logging.WARNING
+    assert torch.get_num_threads() == 1
     built = built_by("--tokenflow", "interval=0.7,mu=3")  # tokenflow is the default
     assert built["llm"].engine.scheduler.policy.config == TokenFlowConfig(interval=0.7, mu=3.0)
     assert built["server"].model_names == [ckpt.name]
@@ -2496,6 +2500,67 @@ def test_bench_http(ckpt, tmp_path, capsys):
         check_bench_output(capsys.readouterr().out, path, ["http"])
     finally:
         srv.shutdown()
+
+
+def test_bench_fidelity_fits_runs_and_replays(ckpt, tmp_path, capsys):
+    """--fidelity: a cost model fitted in the run, the workload on the engine and on the simulator
+    with that fit, per policy: both sides' metrics and the simulator's relative error."""
+    path = tmp_path / "fidelity.json"
+    bench.main(["--fidelity", "--ckpt", str(ckpt), "--device", "cpu", *BENCH_WORKLOAD,
+                "--read-rate", "20", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "fitted in this run: preset calibrated" in out and "fcfs error" in out
+    assert out.count("decisions") + out.count("the schedules part") >= 2  # one line per policy
+    report = json.loads(path.read_text())
+    for policy in ("fcfs", "tokenflow"):
+        real, sim = report["policies"][policy]["real"], report["policies"][policy]["sim"]
+        assert real["completed"] == sim["completed"] == 4
+        assert real["throughput"] * real["makespan"] == pytest.approx(sim["throughput"] * sim["makespan"])
+        assert 0 <= report["policies"][policy]["machine"]["others_cpu_share"] <= 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
+def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, policy, monkeypatch):
+    """Issue 40's scene: the real engine (the tiny model, real forward, real swapper) on a virtual
+    clock that each step advances by a cost model's time, and the simulator with that cost model,
+    given one burst past memory: the same decisions (which request runs, with how many tokens) at
+    every step, preemptions and resumes included. What the simulator leaves out (the forward, the
+    tokens, the detokenizer, the copies' bytes) must not change what the policy decides."""
+    from nanoflow.sim import VirtualClock
+
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=20, policy=policy, host_kv_gb=0.01)
+    eng = llm.engine
+    block_bytes = eng.kv.bytes_per_block
+    cost = toy_cost(kv_bytes_per_token=block_bytes // eng.kv.block_size, overhead_s=0.05,
+                    per_decode_seq_s=0.004, per_prefill_token_s=2e-4, link_bytes_per_s=1e12,
+                    num_kv_blocks=20, async_copies=False)
+    sim = build_engine(cost, policy, host_kv_gb=0.01, charge_scheduler=False)
+    assert sim.scheduler.swapper.host.num_blocks == eng.scheduler.swapper.host.num_blocks
+    clock = eng.clock = eng.scheduler.clock = VirtualClock()
+    run = eng.run
+
+    def timed_run(batch):
+        tokens = run(batch)
+        kv = sum(r.num_computed_tokens + n for r, n in zip(batch.reqs, batch.query_lens))
+        clock.advance_to(clock() + cost.step_time(batch.num_prefill_tokens, batch.num_decodes, kv))
+        return tokens
+
+    monkeypatch.setattr(eng, "run", timed_run)
+    monkeypatch.setattr(eng, "idle", lambda: clock.advance_to(clock() + cost.overhead_s))
+    prompts = random_prompts(12, TINY["vocab_size"], seed=3, lengths=(20, 60))
+    schedules = []
+    for engine in (eng, sim):
+        decisions = bench.record_decisions(engine.scheduler)
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                     read_rate=(4, 8, 20)[i % 3]))
+                for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        index = {id(r): i for i, r in enumerate(reqs)}
+        schedules.append([sorted((index[id(r)], n) for r, n in d.ran.items()) for d in decisions])
+        assert all(r.num_output_tokens == 40 for r in reqs)
+    assert eng.stats()["preemptions"] > 0  # the scene reaches the policy's hard part
+    assert schedules[0] == schedules[1]
 
 
 def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):

@@ -30,6 +30,10 @@ log = logging.getLogger("nanoflow")
 CPU_KV_FRACTION = 0.25  # of available RAM for the KV pool on CPU: the OS and weights need the rest
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
+THREADS_CHECK_S = 1.0  # how often a CPU engine looks at what the rest of the machine computes
+# cores' worth of CPU that other processes use: above BUSY the engine leaves them a core, below
+# IDLE it takes it back (apart, so that a neighbour near one line does not flip it every check)
+OTHERS_BUSY, OTHERS_IDLE = 0.5, 0.2
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
 GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
@@ -68,6 +72,8 @@ class EngineConfig:
     tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)
     enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
                                        action=argparse.BooleanOptionalAction)
+    cpu_threads: int | None = knob(None, "torch threads on a CPU (default: one per core, one "
+                                   "fewer while other processes compute)", type=int)
 
     def __post_init__(self):
         # checked before the model loads: a typo should fail fast
@@ -97,7 +103,8 @@ class Engine:
 
     def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer,
                  scheduler: Scheduler, read_rate: float = DEFAULT_READ_RATE,
-                 max_model_len: int | None = None, enforce_eager: bool = False):
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 threads: "CpuThreads | None" = None):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -119,6 +126,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammars = Grammars(tokenizer, config.vocab_size)
+        self.threads = threads
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
@@ -186,6 +194,8 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
+        if self.threads:
+            self.threads.adapt()
         batch = Batch.of(self.scheduler.schedule())
         if not batch.reqs:
             self.idle()
@@ -395,6 +405,8 @@ class LLM:
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
         tp = c.tensor_parallel_size
+        # tensor parallel ranks on a CPU share its cores out between them (dist.py)
+        threads = CpuThreads(c.cpu_threads) if device.type == "cpu" and tp == 1 else None
         shard = dist.launch(ckpt, device, tp) if tp > 1 or dist.torchrun_rank() else Shard()
         try:
             model, self.tokenizer = load_model(ckpt, device, _dtype(c.dtype), shard)
@@ -415,7 +427,8 @@ class LLM:
                               c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
         # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead
         self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
-                             c.max_model_len, c.enforce_eager or tp > 1)
+                             c.max_model_len, c.enforce_eager or tp > 1, threads)
+        log.info("compute: %s", compute_threads(self.engine))
         if tp > 1:
             dist.lead(self.engine, swapper, capture=not c.enforce_eager and device.type == "cuda")
 
@@ -456,6 +469,57 @@ class LLM:
             self.engine.step()
         return [Output(r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids,
                        r.finish_reason) for r in reqs]
+
+
+class CpuThreads:
+    """Torch's threads on a CPU: one per core while the machine is otherwise idle, one fewer while
+    other processes compute. A step is ~1,000 small ops, each ending at a barrier where all threads
+    meet: a thread that shares its core with another process arrives a time slice late, and the
+    step runs several times slower than on one thread fewer (docs/results.md, "Threads")."""
+
+    def __init__(self, fixed: int | None = None):
+        self.fixed = fixed
+        self.cores = os.cpu_count() or 1
+        self.checked_at = time.monotonic()
+        self.busy_at_check = busy_cpu_seconds()
+        self.own_at_check = time.process_time()
+        torch.set_num_threads(fixed or self.cores)
+
+    def adapt(self) -> None:
+        """Once a THREADS_CHECK_S: leave other processes a core, or take it back once they idle."""
+        now = time.monotonic()
+        if self.fixed or self.busy_at_check is None or now - self.checked_at < THREADS_CHECK_S:
+            return
+        busy, own = busy_cpu_seconds(), time.process_time()
+        others = (busy - self.busy_at_check - (own - self.own_at_check)) / (now - self.checked_at)
+        self.checked_at = now
+        self.busy_at_check = busy
+        self.own_at_check = own
+        if others > OTHERS_BUSY:
+            torch.set_num_threads(max(1, self.cores - 1))
+        elif others < OTHERS_IDLE:
+            torch.set_num_threads(self.cores)
+
+    def describe(self) -> str:
+        if self.fixed:
+            return f"{self.fixed} torch threads (--cpu-threads)"
+        return (f"{torch.get_num_threads()} torch threads of {self.cores} cores, one fewer while "
+                "other processes compute")
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of this machine has used since boot (Linux; elsewhere None)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _, _, irq, softirq = map(int, f.readline().split()[1:8])
+    except OSError:
+        return None
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def compute_threads(engine: Engine) -> str:
+    """How this engine computes: a GPU, or its CPU threads."""
+    return engine.threads.describe() if engine.threads else f"{engine.device.type}"
 
 
 def clamp_read_rate(rate: float) -> float:

@@ -622,6 +622,8 @@ class TokenFlow(FCFS):
         # the share kept for switches: none if all fit at once, else one request's share of a batch
         n = len(members) + len(newcomers)
         fits = self.batch_that_fits(s, n, self.lifetime_size(newcomers, size))
+        if fits < n:  # readers take turns on the device: its capacity is that of the batch it holds
+            capacity = min(capacity, self.config.capacity_share * fits / s.rates.decode_time(fits))
         whole = capacity / self.config.capacity_share
         whole *= 1 - 1 / fits if fits < n else 1.0
         if demand + sum(r.read_rate for r in newcomers) <= whole:

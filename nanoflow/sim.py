@@ -56,10 +56,14 @@ class CostModel:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     notes: list[str] = field(default_factory=list)
+    # a CPU's attention: compute per KV token attended, added to the compute (a GPU's is memory)
+    per_attended_token_s: float = 0.0
+    async_copies: bool = True  # copies run beside compute (a GPU's side streams; a CPU has none)
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         memory = self.weights_read_s + kv_tokens * self.per_kv_token_s
         compute = prefill_tokens * self.per_prefill_token_s + decode_seqs * self.per_decode_seq_s
+        compute += kv_tokens * self.per_attended_token_s
         return self.overhead_s + max(memory, compute)
 
     def describe(self) -> str:
@@ -67,6 +71,8 @@ class CostModel:
         memory = f"{ms(self.weights_read_s)} + kv_tokens x {self.per_kv_token_s * 1e9:.3g} ns"
         compute = (f"prefill_tokens x {ms(self.per_prefill_token_s)} + "
                    f"decodes x {ms(self.per_decode_seq_s)}")
+        if self.per_attended_token_s:
+            compute += f" + kv_tokens x {self.per_attended_token_s * 1e9:.3g} ns"
         pools = f"{self.num_kv_blocks} device + {self.num_host_blocks} host blocks"
         line = (f"preset {self.name}: step = {ms(self.overhead_s)} + max({memory}, {compute}); "
                 f"host link {self.link_bytes_per_s / 1e9:.3g} GB/s; KV {pools} of "
@@ -111,7 +117,7 @@ def cpu_smollm2() -> CostModel:
         "cpu-smollm2", SMOLLM2_135M, kv_bytes_per_token(SMOLLM2_135M, torch.float32),
         overhead_s=0.050, weights_read_s=0.0, per_kv_token_s=0.0,
         per_prefill_token_s=1.7e-3, per_decode_seq_s=4.7e-3, link_bytes_per_s=5e9,
-        num_kv_blocks=256, num_host_blocks=4096,
+        num_kv_blocks=256, num_host_blocks=4096, async_copies=False,
         notes=["fitted to the real engine, fp32 demo model, 2-core machine (AMD EPYC, 2026-11):",
                "decode step 56 ms at 1 request, 126 ms at 16; a 2048-token prefill step 3.45 s",
                "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits"])
@@ -176,20 +182,23 @@ class SimSwapper(Swapper):
     in order; the link is full duplex); the books are Swapper's. Blocks being copied return to
     their pool, and loaded requests may run, once their copy is done."""
 
-    def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float):
+    def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float,
+                 async_copies: bool = True):
         self.device, self.host, self.clock = device, host, clock
         self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
         self.out, self.back = Lane(None, []), Lane(None, [])  # never in flight: time is modelled
         self.free_at = {"out": 0.0, "back": 0.0}  # when each direction's queue is done
         self.filled_at: dict[int, float] = {}  # host block -> when the copy that fills it is done
         self.writing, self.counters = {}, Counter()
-        self.async_copies = True  # the modelled link runs beside compute, as on a GPU
+        self.async_copies = async_copies  # as the modelled engine's (sched.py asks)
         self.link_tiers()
 
     def _occupy(self, direction: str, num_blocks: int, after: float = 0.0) -> float:
         """When a copy queued now in this direction (starting no sooner than `after`) is done."""
         start = max(self.free_at[direction], self.clock(), after)
         self.free_at[direction] = start + num_blocks * self.block_bytes / self.bandwidth
+        if not self.async_copies:  # a CPU copies on the engine's own thread: the engine waits
+            self.clock.advance_to(self.free_at[direction])
         return self.free_at[direction]
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
@@ -267,18 +276,20 @@ def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float
     host_blocks = cost.num_host_blocks
     if host_kv_gb is not None:
         host_blocks = int(host_kv_gb * (1 << 30)) // block_bytes
-    swapper = SimSwapper(device, _pool(host_blocks, cost.block_size, block_bytes, host=True), clock,
-                         cost.link_bytes_per_s) if host_blocks else None
+    swapper = None
+    if host_blocks:
+        host = _pool(host_blocks, cost.block_size, block_bytes, host=True)
+        swapper = SimSwapper(device, host, clock, cost.link_bytes_per_s, cost.async_copies)
     scheduler = (ChargedScheduler if charge_scheduler else Scheduler)(
         device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow,
         enable_prefix_caching)
     return SimEngine(cost, scheduler, read_rate, jitter, seed)
 
 
-def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps: int = 8
-              ) -> CostModel:
-    """Fit the cpu-smollm2 form (overhead + prefill tokens + decoding requests) to the real
-    engine's steps."""
+def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), contexts=(128, 512),
+              decode_steps: int = 8) -> CostModel:
+    """Fit the cpu-smollm2 form to the real engine's steps: overhead + prompt tokens + decoding
+    requests + KV tokens attended (decodes at two context lengths tell the last two apart)."""
     engine, rows = llm.engine, []
     vocab = engine.config.vocab_size
 
@@ -293,19 +304,23 @@ def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), decode_steps
     for p in (min(p, engine.max_model_len - 2) for p in prompt_lens):
         engine.add_request([(7 * i) % vocab for i in range(p)], params(1))
         rows.append((p, 0, p, timed_step()))
-    for b in batches:
-        for i in range(b):
-            engine.add_request([(13 * i + j) % vocab for j in range(128)], params(decode_steps + 1))
-        timed_step()  # the prefill
-        for _ in range(decode_steps):
-            rows.append((0, b, b * 130, timed_step()))
-        while engine.has_unfinished():
-            engine.step()
-    x = torch.tensor([[1.0, p, d] for p, d, _, _ in rows], dtype=torch.float64)
+    for context in (min(c, engine.max_model_len - decode_steps - 2) for c in contexts):
+        for b in batches:
+            for i in range(b):
+                prompt = [(13 * i + j) % vocab for j in range(context)]
+                engine.add_request(prompt, params(decode_steps + 1))
+            while any(not r.started for r in engine.requests.values()):
+                engine.step()  # the prompts
+            for k in range(decode_steps):
+                rows.append((0, b, b * (context + 2 + k), timed_step()))
+            while engine.has_unfinished():
+                engine.step()
+    x = torch.tensor([[1.0, p, d, kv] for p, d, kv, _ in rows], dtype=torch.float64)
     y = torch.tensor([[t] for *_, t in rows], dtype=torch.float64)
     fit = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
     return replace(cpu_smollm2(), name="calibrated", model=engine.config,
                    kv_bytes_per_token=engine.kv.bytes_per_block // engine.kv.block_size,
-                   overhead_s=fit[0], per_prefill_token_s=fit[1], per_decode_seq_s=fit[2],
+                   num_kv_blocks=engine.kv.num_blocks, overhead_s=fit[0],
+                   per_prefill_token_s=fit[1], per_decode_seq_s=fit[2],
+                   per_attended_token_s=fit[3],
                    notes=[f"least squares over {len(rows)} measured steps of this engine here"])
-

@@ -2519,6 +2519,21 @@ def test_bench_fidelity_fits_runs_and_replays(ckpt, tmp_path, capsys):
         assert 0 <= report["policies"][policy]["machine"]["others_cpu_share"] <= 1
 
 
+def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, tmp_path, capsys):
+    """--regimes: a row runs under both policies twice (fcfs first, then tokenflow first), and
+    the simulator replays it with the fit of the same run; the verdict compares the means."""
+    path = tmp_path / "regimes.json"
+    bench.main(["--regimes", "burst 4", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "| burst 4 (1/3 of capacity) |" in out and "TTFT p50" in out
+    (row,) = json.loads(path.read_text())["rows"]
+    assert [len(row["real"][p]) for p in ("fcfs", "tokenflow")] == [2, 2]
+    assert all(s["completed"] == 4 for p in row["real"].values() for s in p)
+    assert row["sim"]["fcfs"]["completed"] == row["sim"]["tokenflow"]["completed"] == 4
+    fcfs, tokenflow = (row["real"][p] for p in ("fcfs", "tokenflow"))
+    assert row["misses"] == bench.regime_verdict(row["regime"], fcfs, tokenflow)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
 def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, policy, monkeypatch):
     """Issue 40's scene: the real engine (the tiny model, real forward, real swapper) on a virtual

@@ -509,6 +509,9 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             runs.append(drive(engine, w, policy))
             runs[-1].machine = {} if args.simulate else watch.report()
             runs[-1].decisions = decisions
+            swapper = engine.scheduler.swapper
+            if swapper and swapper.counters["bytes_to_host"]:  # what its copies measured
+                info["link_bytes_per_s"] = swapper.bandwidth
         del engine
         free_device_memory()
     return runs, w, info
@@ -534,6 +537,7 @@ class Decision:
     step_s: float  # the policy's estimate of a decode step of the running batch
     prefill_rate: float  # ...and of prompt tokens/s
     free_blocks: int
+    batch: tuple[int, int, int]  # the step's prompt tokens, decodes and KV tokens (the cost model's)
 
 
 def record_decisions(scheduler) -> list[Decision]:
@@ -547,7 +551,10 @@ def record_decisions(scheduler) -> list[Decision]:
         step_s, free = scheduler.step_time(), scheduler.kv.num_free
         out = decide()
         if out:
-            log.append(Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free))
+            batch = (sum(n for _, n in out if n > 1), sum(n == 1 for _, n in out),
+                     sum(r.num_computed_tokens + n for r, n in out))
+            log.append(Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free,
+                                batch))
         return out
 
     scheduler.schedule = schedule
@@ -572,6 +579,18 @@ def fidelity_table(real: list[Run], sim: list[Run]) -> str:
     widths = [max(map(len, column)) for column in zip(*lines)]
     return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
                                for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
+
+
+def step_residual(run: Run, cost: CostModel) -> str:
+    """How long the run's steps took, decision to decision, against what the cost model says of
+    the same batches: the part of an engine's time that the simulator does not model."""
+    pairs = zip(run.decisions, run.decisions[1:])
+    spent = predicted = 0.0
+    for a, b in pairs:
+        spent += b.at - a.at
+        predicted += cost.step_time(*a.batch)
+    return (f"{run.name}: {len(run.decisions)} steps took {spent:.1f} s, the cost model says "
+            f"{predicted:.1f} s for the same batches ({spent / max(predicted, 1e-9) - 1:+.0%})")
 
 
 def by_index(run: Run) -> dict:
@@ -624,7 +643,8 @@ def fit_cost_model(args: argparse.Namespace) -> CostModel:
 
 def replay(args: argparse.Namespace, w: Workload, info: dict, fit: CostModel) -> list[Run]:
     """The real runs' workload on the simulator with `fit`, their KV pools and policy order."""
-    cost = dataclasses.replace(fit, num_kv_blocks=info["kv_blocks"])
+    link = info.get("link_bytes_per_s", fit.link_bytes_per_s)  # the copies of the real runs
+    cost = dataclasses.replace(fit, num_kv_blocks=info["kv_blocks"], link_bytes_per_s=link)
     host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
     sim_args = argparse.Namespace(**{**vars(args), "simulate": True, "preset": cost,
                                      "num_kv_blocks": info["kv_blocks"], "host_kv_gb": host_kv_gb})
@@ -646,9 +666,13 @@ def fidelity(args: argparse.Namespace) -> None:
     print(f"workload: {w.source}; seed {args.seed}; readers {args.read_rate}")
     print(f"engine: {info['engine']}; compute: {info['threads']}")
     print(f"fitted in this run: {fit.describe()}")
+    if "link_bytes_per_s" in info:
+        print(f"the engine's copies measured {info['link_bytes_per_s'] / 1e9:.2g} GB/s")
     print(fidelity_table(real, sim))
     for a, b in zip(real, sim):
         print(first_parting(a, b))
+    for run in real:
+        print(step_residual(run, fit))
     for run in real:
         print(describe_machine(run.name, run.machine))
     if args.json:

@@ -256,16 +256,17 @@ class Engine:
         """Advance every request past its computed tokens; append the sampled ones' new token."""
         for req, n in zip(batch.reqs, batch.query_lens):
             req.num_computed_tokens += n
+        now = self.clock()  # one step makes its tokens at one moment (ties stay ties)
         for req, token in zip(batch.sampled, tokens):
-            self._append_token(req, token)
+            self._append_token(req, token, now)
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
         """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
         return DecodeGraphs(self.model, self.kv_caches, graph_sizes(self.scheduler.max_num_seqs),
                             self.max_model_len, self.kv.block_size, capture)
 
-    def _append_token(self, req: Request, token: int) -> None:
-        req.append(token, self.clock())
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.append(token, now)
         if req.matcher is not None:
             req.matcher.consume_token(token)
         eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids

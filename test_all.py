@@ -2183,9 +2183,12 @@ def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_k
     device moves one request at a time, and one request's share of its batch is kept: 180 blocks
     hold 2,880 x 10 / 3,100 = 9.3 of them, 100 of 118.75 x (1 - 1 / 9.3) = 106 tok/s may be asked;
     100 blocks hold 5.2, only 96 tok/s, and the last newcomer waits (the tight-memory burst: all 30
-    readers joined at 2 tok/s each where the engine made 60 tok/s, and most of them stalled)."""
+    readers joined at 2 tok/s each where the engine made 60 tok/s, and most of them stalled). A
+    decode step of 44 ms keeps the capacity of the batch that 100 blocks hold (0.8 x 5.2 / 0.044 =
+    94 tok/s) from lowering the 95 given here."""
     engine = sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=num_kv_blocks)
     s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.decode_moments = (1.0, 0.044, 1.0, 0.044)  # 44 ms at any batch
     assert s.kv.block_size == 16
     params = SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0)
     started = [engine.add_request([1] * 20, params) for _ in range(8)]
@@ -2200,6 +2203,25 @@ def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_k
         assert members == started + newcomers[:joining]
         for req in newcomers:
             s.waiting.remove(req)
+
+
+def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memory_holds():
+    """Issue 40's burst: an empty engine takes newcomers while their readers' rate stays within the
+    capacity of the batch its memory holds, not of an engine as large as max_num_seqs. Twelve
+    requests of 16 + 32 tokens (32 on average over their lives, 384 in all) in 20 blocks of 16
+    tokens (320): memory holds 320 x 12 / 384 = 10 of them; a decode step is 0.05 s (the
+    estimate before any step), so 0.8 x 10 / 0.05 = 160 tok/s: eight readers of 20 tok/s. (An
+    empty engine read as 256 requests' capacity, 4,096 tok/s, and took all twelve: on the CPU, 19
+    newcomers of 8 tok/s started where the engine made ~90 tok/s, and every reader stalled.)"""
+    engine = sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=20)
+    s, policy = engine.scheduler, engine.scheduler.policy
+    assert s.rates.decode_time(10) == 0.05 and policy.config.capacity_share == 0.8
+    params = SamplingParams(max_tokens=32, ignore_eos=True, read_rate=20.0)
+    newcomers = [engine.add_request([1] * 16, params) for _ in range(12)]
+    urgency = {r: policy.urgency(s, r, 0.0) for r in s.waiting}
+    capacity = policy.capacity(s, 0, 0.0, policy.config.capacity_share)
+    assert capacity == 0.8 * s.max_num_seqs / 0.05  # what the empty engine's estimate says
+    assert policy.working_set(s, [], 0.0, capacity, urgency) == newcomers[:8]
 
 
 def toy_cost(**overrides) -> CostModel:

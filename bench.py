@@ -497,7 +497,8 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             speed, capacity = decode_rates(probe.records)
             info.update(host_blocks=engine.stats()["host_blocks_total"], kv_blocks=blocks,
                         probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
-                        rates=f"{args.read_rate} (as given)")
+                        rates=f"{args.read_rate} (as given)",
+                        prefill_rate=engine.scheduler.rates.prefill_rate)
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity * (args.replicas or 1))
         if args.replicas:
@@ -1298,6 +1299,16 @@ def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
     return runs, w, info
 
 
+def ttft_slo_ceiling(w: Workload, prefill_rate: float, slo: float) -> float:
+    """The share of first tokens within the SLO were the engine to do nothing but the prompts, one
+    after another in arrival order: past capacity, what the prompt rate allows any such policy."""
+    within, free_at = 0, 0.0
+    for arrival, prompt in sorted(zip(w.arrival, w.prompt_len)):
+        free_at = max(free_at, arrival) + prompt / prefill_rate
+        within += free_at - arrival <= slo
+    return within / len(w)
+
+
 def ttft_slo(args: argparse.Namespace) -> float:
     """--ttft-slo, else 2 s on a GPU (or its simulation) and CPU_SLO_SCALE times that on a CPU."""
     if args.simulate:  # a CPU preset, or the cost model fitted to this (CPU) engine
@@ -1320,6 +1331,10 @@ def serving_bench(args: argparse.Namespace) -> None:
         print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
               f"{info['probe_batch']} of the {len(w)} requests at full length")
     print(f"readers: {info['rates']}; TTFT SLO {info['ttft_slo']} s")
+    if "prefill_rate" in info and not w.follows:
+        ceiling = ttft_slo_ceiling(w, info["prefill_rate"], info["ttft_slo"])
+        print(f"TTFT <= SLO ceiling: {ceiling:.0%} (every prompt in arrival order at the measured "
+              f"{info['prefill_rate']:.0f} prompt tokens/s, nothing else computed)")
     if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
         ids = [b[:cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
         capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // w.block_tokens

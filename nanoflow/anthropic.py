@@ -1,8 +1,7 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) as a translation.
 
-`chat_body` turns a Messages body into the chat body that asks the same, which serve.py runs as it
-runs any chat request; `Translation` turns that answer's chat chunks into Anthropic's stream events
-and its whole Message. responses.py reads with its readers. It imports nothing of nanoflow's.
+`chat_body` turns a Messages body into a chat body, which serve.py runs as any; `Translation` turns
+the chat chunks into Anthropic's events and Message. It imports nothing; responses.py imports it.
 """
 
 import json
@@ -42,8 +41,7 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
-def obj(value) -> dict:
-    """`value` if it is an object; else {}, whose fields are all absent."""
+def obj(value) -> dict:  # a value that is not an object has no fields
     return value if isinstance(value, dict) else {}
 
 
@@ -88,7 +86,6 @@ def chat_messages(i: int, message) -> list[dict]:
 
 
 def chat_tools(tools, kind: str, schema: str) -> list[dict]:
-    """Tools {"type": kind, "name", "description", schema} as chat's function tools."""
     out = []
     for i, tool in enumerate(listed(tools or [], "`tools`")):
         if obj(tool).get("type", "custom") != kind:
@@ -99,7 +96,6 @@ def chat_tools(tools, kind: str, schema: str) -> list[dict]:
 
 
 def chat_tool_choice(kind, choice) -> str | dict:
-    """A tool_choice of this kind (Anthropic's type, or a Responses string) as chat's."""
     if kind in ("tool", "function"):
         return {"type": "function", "function": {"name": choice.get("name")}}
     if not (isinstance(kind, str) and kind in TOOL_CHOICES):
@@ -138,7 +134,6 @@ def blocks(chunks: Iterator[dict]) -> Iterator[tuple[str, str, object]]:
 
 
 def delta_parts(delta: dict) -> list[tuple[str, object]]:
-    """A chat delta's thinking, text, and each tool call's head (where it starts) and arguments."""
     parts = [("thinking", delta.get("reasoning_content")), ("text", delta.get("content"))]
     for call in delta.get("tool_calls", []):
         parts.append(("call", call if "id" in call else None))
@@ -171,10 +166,9 @@ class Translation:
                 status = 400 if value["type"] == "invalid_request_error" else 500
                 yield "error", error_body(status, value["message"])
             elif step == "start":
-                content.append(new_block(kind, value))
-                yield event(
-                    "content_block_start", index=len(content) - 1, content_block=content[-1]
-                )
+                block = new_block(kind, value)
+                content.append(block)
+                yield event("content_block_start", index=len(content) - 1, content_block=block)
             elif step == "delta":
                 yield event("content_block_delta", index=len(content) - 1, delta=self._delta(value))
             elif step == "stop":
@@ -187,7 +181,6 @@ class Translation:
                 yield from self._end(kind, value)
 
     def _delta(self, text: str) -> dict:
-        """The delta that adds `text` to the last block (text, thinking or tool_use)."""
         block = self.whole["content"][-1]
         if block["type"] == "tool_use":
             self.arguments += text
@@ -199,18 +192,14 @@ class Translation:
         stop = self.reply.stop_reason if reason == "stop" else None
         self.whole["stop_reason"] = "stop_sequence" if stop else STOP_REASONS.get(reason, reason)
         self.whole["stop_sequence"] = stop
-        self.whole["usage"]["output_tokens"] = usage["completion_tokens"]
+        output = {"output_tokens": usage["completion_tokens"]}
+        self.whole["usage"].update(output)
         delta = {"stop_reason": self.whole["stop_reason"], "stop_sequence": stop}
-        yield event(
-            "message_delta",
-            delta=delta,
-            usage={"output_tokens": self.whole["usage"]["output_tokens"]},
-        )
+        yield event("message_delta", delta=delta, usage=output)
         yield event("message_stop")
 
 
 def new_block(kind: str, head) -> dict:
-    """An empty content block for a part of kind "thinking", "text" or "call"."""
     if kind == "call":
         return {"type": "tool_use", "id": head["id"], "name": head["function"]["name"], "input": {}}
     return {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}

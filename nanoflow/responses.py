@@ -1,9 +1,8 @@
-"""OpenAI's Responses API (`/v1/responses`), stateless, as a translation.
+"""OpenAI's Responses API (`/v1/responses`), stateless, as a translation like anthropic.py's.
 
-`chat_body` turns a Responses body into the chat body that asks the same, which serve.py runs as it
-runs any chat request; `Translation` turns that answer's chat chunks into the Responses stream
-events and its whole Response. Nothing is stored: `previous_response_id`, `conversation`, `store`
-and `background` are refused. It imports anthropic.py's readers of text and of chat chunks.
+`chat_body` turns a Responses body into a chat body; `Translation` turns the chat chunks into the
+Responses events and Response. Nothing is stored: `previous_response_id`, `conversation`, `store`
+and `background` are refused. It imports anthropic.py's readers of bodies and of chat chunks.
 """
 
 import uuid
@@ -25,11 +24,10 @@ def chat_body(body: dict) -> dict:
     for name in ("previous_response_id", "conversation", "store", "background"):
         if body.get(name) not in (None, False):
             raise ValueError(f"`{name}`: nanoflow stores no responses; send all in `input`")
-    system = (
-        [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-    )
     chat = {name: body[name] for name in SAME if body.get(name) is not None}
-    chat["messages"] = system + chat_messages(body.get("input"))
+    chat["messages"] = chat_messages(body.get("input"))
+    if body.get("instructions"):
+        chat["messages"].insert(0, {"role": "system", "content": body["instructions"]})
     chat.update(max_tokens=body.get("max_output_tokens"), stream_options={"include_usage": True})
     chat["tools"] = chat_tools(body.get("tools"), "function", "parameters")
     if body.get("tool_choice") is not None:
@@ -142,7 +140,6 @@ class Translation:
 
 
 def new_item(kind: str, head) -> dict:
-    """An empty output item for a part of kind "thinking", "text" or "call"."""
     item = {"type": ITEM_TYPES[kind], "status": "in_progress"}
     if kind == "call":
         call = {"call_id": head["id"], "name": head["function"]["name"], "arguments": ""}

@@ -855,7 +855,8 @@ class Handler(BaseHTTPRequestHandler):
         self.server.metrics.rejected(e.code)
         # what is left of the request body may still be on the socket
         self.close_connection = True
-        body = anthropic.error_body(e.status, str(e)) if path.startswith(ANTHROPIC_PATH) else e.body()
+        anthropic_shape = path.startswith(ANTHROPIC_PATH)
+        body = anthropic.error_body(e.status, str(e)) if anthropic_shape else e.body()
         self._send_json(e.status, body, {**e.headers, "Connection": "close"})
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:

@@ -12,7 +12,7 @@ from .anthropic import blocks, chat_tool_choice, chat_tools, listed, obj, text_o
 
 SAME = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "read_rate")  # as chat's
 TEXT_PARTS = ("input_text", "output_text")
-STATUSES = {"length": "incomplete"}  # a Response's and its last item's, by finish_reason
+STATUSES = {"length": "incomplete", "abort": "incomplete"}  # by finish_reason; else "completed"
 ITEM_TYPES = {"text": "message", "thinking": "reasoning", "call": "function_call"}
 # what a Response echoes of its request where the request says nothing
 ECHOED = {"instructions": None, "max_output_tokens": None, "temperature": None, "top_p": None}
@@ -80,7 +80,8 @@ class Translation:
         self.whole.update(error=None, incomplete_details=None, store=False, usage=None)
         self.num_prompt = reply.num_prompt
         self.sequence_number = 0
-        self.at = self.part_at = {}  # the last item's place (and its content part's) in events
+        # the last item's place in events: its index; with its id; with its content part's index
+        self.at = self.item_at = self.part_at = {}
 
     def events(self, chunks: Iterator[dict]) -> Iterator[tuple[str, dict]]:
         """(event type, data) pairs, from response.created to response.completed (or
@@ -93,8 +94,9 @@ class Translation:
                 yield self._event("error", code=value["code"], message=value["message"], param=None)
             elif step == "start":
                 output.append(new_item(kind, value))
-                self.at = {"item_id": output[-1]["id"], "output_index": len(output) - 1}
-                self.part_at = {**self.at, "content_index": 0}
+                self.at = {"output_index": len(output) - 1}
+                self.item_at = {"item_id": output[-1]["id"], **self.at}
+                self.part_at = {**self.item_at, "content_index": 0}
                 yield self._event("response.output_item.added", item=output[-1], **self.at)
                 if kind != "call":  # a message or reasoning item's one content part
                     output[-1]["content"].append(new_part(kind))
@@ -114,7 +116,7 @@ class Translation:
     def _delta(self, item: dict, text: str) -> tuple[str, dict]:
         if item["type"] == "function_call":
             item["arguments"] += text
-            return self._event("response.function_call_arguments.delta", delta=text, **self.at)
+            return self._event("response.function_call_arguments.delta", delta=text, **self.item_at)
         part = item["content"][0]
         part["text"] += text
         return self._event(f"response.{part['type']}.delta", delta=text, **self.part_at)
@@ -122,7 +124,7 @@ class Translation:
     def _done(self, item: dict, status: str) -> Iterator[tuple[str, dict]]:
         if item["type"] == "function_call":
             done = {"name": item["name"], "arguments": item["arguments"]}
-            yield self._event("response.function_call_arguments.done", **done, **self.at)
+            yield self._event("response.function_call_arguments.done", **done, **self.item_at)
         else:
             part = item["content"][0]
             yield self._event(f"response.{part['type']}.done", text=part["text"], **self.part_at)

@@ -4878,6 +4878,20 @@ def test_each_api_answers_bad_requests_in_its_own_error_shape(server, path, body
     assert all_free(server)
 
 
+@pytest.mark.parametrize("path,body", [("/v1/messages", {"max_tokens": 400, "messages": HELLO}),
+                                       ("/v1/responses", {"max_output_tokens": 400, "input": HELLO})])
+def test_a_client_leaving_a_translated_stream_is_aborted(server, monkeypatch, path, body):
+    slow_steps(server, monkeypatch, 0.02)
+    aborted = scrape(server).get('nanoflow_requests_total{outcome="abort"}', 0)
+    sock, resp = open_stream(server, path, {**body, "temperature": 0})
+    while (line := resp.readline()) and b"delta" not in line:  # until the text has begun
+        pass
+    assert scrape(server)["nanoflow_running"] == 1
+    hang_up(sock, resp)
+    wait_for(lambda: all_free(server), timeout=1.0)
+    assert scrape(server)['nanoflow_requests_total{outcome="abort"}'] == aborted + 1
+
+
 def test_sdk_errors_and_x_api_key(server, monkeypatch):
     import anthropic
     import openai

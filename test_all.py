@@ -4862,6 +4862,7 @@ def test_responses_function_call_round_trip_and_json_schema(demo_server, monkeyp
     ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "role"),
     ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
     ("/v1/messages/count_tokens", {"messages": "hi"}, "messages"),
+    ("/v1/messages", {"max_tokens": 5, "messages": HELLO, "tools": ["get_time"]}, "tools[0]"),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ("/v1/responses", {"input": "hi", "store": True}, "store"),
     ("/v1/responses", {"input": [{"type": "web_search_call"}]}, "web_search_call"),

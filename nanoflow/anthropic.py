@@ -68,8 +68,8 @@ def chat_messages(i: int, message) -> list[dict]:
     if role not in ("user", "assistant"):
         raise ValueError(f'messages[{i}].role must be "user" or "assistant", not {role!r}')
     texts, calls, results = [], [], []
-    text = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    for j, block in enumerate(listed(text, f"messages[{i}].content")):
+    given = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    for j, block in enumerate(listed(given, f"messages[{i}].content")):
         kind, where = obj(block).get("type"), f"messages[{i}].content[{j}]"
         if kind == "text":
             texts.append(text_of([block], where))
@@ -88,7 +88,7 @@ def chat_messages(i: int, message) -> list[dict]:
 def chat_tools(tools, kind: str, schema: str) -> list[dict]:
     out = []
     for i, tool in enumerate(listed(tools or [], "`tools`")):
-        if obj(tool).get("type", "custom") != kind:
+        if not isinstance(tool, dict) or tool.get("type", "custom") != kind:
             raise ValueError(f"tools[{i}] must have type {kind!r}: nanoflow runs no built-in tools")
         function = {"name": tool.get("name"), "description": tool.get("description", "")}
         out.append({"type": "function", "function": {**function, "parameters": tool.get(schema)}})

@@ -4786,3 +4786,227 @@ def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch,
     worst = max(results, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
     passes = sum(not r[3] for r in results)
     assert rows == [bench.matrix_row(*worst, f"{passes}/3 pass")] and "/3 pass; worst run: " in rows[0]
+
+
+# ------------------------------------------------ issue 43: the Anthropic Messages and OpenAI Responses APIs
+# Both translate onto the chat path; each is driven here by its official SDK from PyPI. The tiny server
+# checks shapes, order and counts (greedy, so that two requests make the same text); the demo model makes
+# the tool calls and JSON that a round trip needs.
+
+WEATHER_TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
+                "input_schema": WEATHER["function"]["parameters"]}
+
+
+def anthropic_client(server):
+    import anthropic  # in the test extra, as openai is
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def openai_client(server):
+    import openai
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_events(resp) -> list[tuple[str, dict]]:
+    """(event line, data) of each event of an `event:`/`data:` stream."""
+    events, name = [], None
+    while line := resp.readline():
+        if line.startswith(b"event: "):
+            name = line[len(b"event: "):].strip().decode()
+        elif line.startswith(b"data: "):
+            events.append((name, json.loads(line[len(b"data: "):])))
+    return events
+
+
+def test_anthropic_messages_create_stream_and_count_tokens(server, monkeypatch):
+    client = anthropic_client(server)
+    got = capture_params(server, monkeypatch)
+    # the SDK no longer sends sampling fields by name; the API takes them
+    args = dict(model="tiny", max_tokens=12, system="be brief", messages=HELLO,
+                extra_body={"read_rate": 20.0, "temperature": 0, "top_k": 5})
+    message = client.messages.create(**args)
+    assert (got[-1][1].read_rate, got[-1][1].top_k, got[-1][1].max_tokens) == (20.0, 5, 12)
+    prompt = server.engine.tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, *HELLO])
+    assert got[-1][0] == prompt
+    count = client.messages.count_tokens(model="tiny", system="be brief", messages=HELLO)
+    assert message.usage.input_tokens == count.input_tokens == len(prompt)
+    assert message.usage.output_tokens == 12 and message.stop_reason == "max_tokens"
+    assert message.id.startswith("msg_") and message.role == "assistant"
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text
+
+    with client.messages.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type != "text"]
+    deltas = [e.delta.text for e in events if e.type == "content_block_delta"]
+    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * len(deltas),
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(deltas) == final.content[0].text == message.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == ("max_tokens", 12, len(prompt))
+    # on the wire: each event's line names its data's type; a ping follows message_start
+    _, resp = open_stream(server, "/v1/messages", {"max_tokens": 3, "messages": HELLO})
+    wire = sse_events(resp)
+    assert all(name == data["type"] for name, data in wire)
+    assert [name for name, _ in wire[:3]] == ["message_start", "ping", "content_block_start"]
+
+    text = message.content[0].text
+    # a stop sequence (printable, where the random model writes some) cuts the text before its first match
+    stop = next(text[i:i + 2] for i in range(1, len(text)) if text[i:i + 2].isascii() and text[i:i + 2].isprintable())
+    cut = client.messages.create(**args, stop_sequences=[stop])
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert cut.content[0].text == text[:text.find(stop)]
+
+
+def test_anthropic_thinking_blocks(thinking_server, monkeypatch):
+    """`thinking` is the template's enable_thinking; with a reasoning parser the thinking comes back as a
+    thinking block, streamed as thinking_delta events."""
+    force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
+    got = capture_params(thinking_server, monkeypatch)
+    client = anthropic_client(thinking_server)
+    args = dict(model="tiny", max_tokens=50, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024})
+    message = client.messages.create(**args)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in message.content] == [
+        ("thinking", "\nthe fox\n"), ("text", "\n\nhello world")]
+    assert message.stop_reason == "end_turn"
+    with client.messages.stream(**args) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        assert stream.get_final_message().model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    assert deltas == sorted(deltas, reverse=True) and {"thinking_delta", "text_delta"} == set(deltas)
+    client.messages.create(**{**args, "thinking": {"type": "disabled"}})
+    assert thinking_server.engine.tokenizer.decode(got[-1][0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    output = openai_client(thinking_server).responses.create(model="tiny", input="hi", reasoning={"effort": "low"})
+    assert [i.type for i in output.output] == ["reasoning", "message"]
+    assert (output.output[0].content[0].text, output.output_text) == ("\nthe fox\n", "\n\nhello world")
+
+
+def test_anthropic_tool_round_trip(demo_server, monkeypatch):
+    client = anthropic_client(demo_server)
+    got = capture_params(demo_server, monkeypatch)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model="demo", max_tokens=60, extra_body={"temperature": 0}, tools=[WEATHER_TOOL])
+    message = client.messages.create(**args, messages=ask, tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["tool_use"]
+    call = message.content[0]
+    assert call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, WEATHER_TOOL["input_schema"])
+    with client.messages.stream(**args, messages=ask, tool_choice={"type": "any"}) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and streamed.content[0].name == "get_weather"
+    assert set(deltas) == {"input_json_delta"}
+    jsonschema.validate(streamed.content[0].input, WEATHER_TOOL["input_schema"])
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18 degrees"}]}
+    loop = ask + [{"role": "assistant", "content": [call.model_dump(include={"type", "id", "name", "input"})]},
+                  {"role": "user", "content": [result]}]
+    answer = client.messages.create(**{**args, "max_tokens": 8}, messages=loop, tool_choice={"type": "none"})
+    assert answer.content[0].type == "text" and answer.content[0].text
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    prompt = demo_server.engine.tokenizer.decode(got[-1][0])
+    assert '"name": "get_weather", "arguments": {"city": ' in prompt and "18 degrees" in prompt
+
+
+def test_responses_create_and_stream(server, monkeypatch):
+    client = openai_client(server)
+    got = capture_params(server, monkeypatch)
+    args = dict(model="tiny", input=HELLO, instructions="be brief", max_output_tokens=12, temperature=0,
+                extra_body={"read_rate": 20.0})
+    done = client.responses.create(**args)
+    prompt = server.engine.tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, *HELLO])
+    assert got[-1][0] == prompt and got[-1][1].read_rate == 20.0
+    assert done.id.startswith("resp_") and done.status == "incomplete"
+    assert done.incomplete_details.reason == "max_output_tokens"
+    assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (
+        len(prompt), 12, len(prompt) + 12)
+    assert [i.type for i in done.output] == ["message"] and done.output_text
+    events = list(client.responses.create(**args, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas), "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == events[-4].text == events[-1].response.output_text == done.output_text
+    text = client.responses.create(model="tiny", input="hello world", max_output_tokens=12, temperature=0)
+    assert text.output_text == done.output_text or text.usage.input_tokens < done.usage.input_tokens
+
+
+def test_responses_function_call_round_trip_and_json_schema(demo_server, monkeypatch):
+    client = openai_client(demo_server)
+    got = capture_params(demo_server, monkeypatch)
+    tool = {"type": "function", **WEATHER["function"]}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model="demo", temperature=0, max_output_tokens=60, tools=[tool])
+    done = client.responses.create(**args, input=ask, tool_choice={"type": "function", "name": "get_weather"})
+    call = done.output[0]
+    assert [i.type for i in done.output] == ["function_call"] and done.status == "completed"
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    events = list(client.responses.create(**args, input=ask, tool_choice="required", stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    jsonschema.validate(json.loads(streamed), tool["parameters"])
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == streamed
+    assert [e.type for e in events[2:4]] == ["response.output_item.added", "response.function_call_arguments.delta"]
+    loop = ask + [call.model_dump(include={"type", "call_id", "name", "arguments"}),
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"}]
+    answer = client.responses.create(**{**args, "max_output_tokens": 8}, input=loop, tool_choice="none")
+    assert answer.output_text
+    prompt = demo_server.engine.tokenizer.decode(got[-1][0])
+    assert '"name": "get_weather", "arguments": {"city": ' in prompt and "18 degrees" in prompt
+    schema = {"type": "json_schema", "name": "order", "schema": SCHEMAS[1]}
+    order = client.responses.create(model="demo", input=schema_prompt(SCHEMAS[1]), temperature=0,
+                                    max_output_tokens=100, text={"format": schema})
+    assert order.status == "completed" and order.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(order.output_text), SCHEMAS[1])
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/messages", {"messages": HELLO}, "max_tokens"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
+    ("/v1/messages/count_tokens", {"messages": "hi"}, "messages"),
+    ("/v1/messages", {"max_tokens": 5, "messages": HELLO, "tools": ["get_time"]}, "tools[0]"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "store": True}, "store"),
+    ("/v1/responses", {"input": [{"type": "web_search_call"}]}, "web_search_call"),
+])
+def test_each_api_answers_bad_requests_in_its_own_error_shape(server, path, body, message):
+    status, _, err = call(server, "POST", path, body)
+    assert status == 400, err
+    if path.startswith("/v1/messages"):
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert message in err["error"]["message"]
+    else:
+        assert err["error"]["type"] == "invalid_request_error" and message in err["error"]["message"]
+    assert call(server, "POST", path, {"max_tokens": 2, "input": "hi", "messages": HELLO})[0] == 200
+    assert all_free(server)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/messages", {"max_tokens": 400, "messages": HELLO}),
+                                       ("/v1/responses", {"max_output_tokens": 400, "input": HELLO})])
+def test_a_client_leaving_a_translated_stream_is_aborted(server, monkeypatch, path, body):
+    slow_steps(server, monkeypatch, 0.02)
+    aborted = scrape(server).get('nanoflow_requests_total{outcome="abort"}', 0)
+    sock, resp = open_stream(server, path, {**body, "temperature": 0})
+    while (line := resp.readline()) and b"delta" not in line:  # until the text has begun
+        pass
+    assert scrape(server)["nanoflow_running"] == 1
+    hang_up(sock, resp)
+    wait_for(lambda: all_free(server), timeout=1.0)
+    assert scrape(server)['nanoflow_requests_total{outcome="abort"}'] == aborted + 1
+
+
+def test_sdk_errors_and_x_api_key(server, monkeypatch):
+    import anthropic
+    import openai
+    with pytest.raises(anthropic.BadRequestError, match="role"):
+        anthropic_client(server).messages.create(model="tiny", max_tokens=2, messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="nanoflow stores no responses"):
+        openai_client(server).responses.create(model="tiny", input="hi", background=True)
+    monkeypatch.setattr(server, "api_key", "sesame")
+    keyed = anthropic.Anthropic(base_url=server.url, api_key="sesame", max_retries=0)  # sends x-api-key
+    assert keyed.messages.create(model="tiny", max_tokens=2, messages=HELLO).usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic_client(server).messages.create(model="tiny", max_tokens=2, messages=HELLO)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    status, _, err = call(server, "POST", "/v1/responses", {"input": "hi"}, {"x-api-key": "sesame"})
+    assert status == 200 and err["object"] == "response"

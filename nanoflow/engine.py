@@ -286,10 +286,11 @@ class Engine:
     @staticmethod
     def _cut_at_stop_string(req: Request, before: int) -> bool:
         """Truncate output_text before the first stop string that the new text completed."""
-        found = (req.output_text.find(s, max(0, before - len(s) + 1)) for s in req.params.stop)
+        found = {req.output_text.find(s, max(0, before - len(s) + 1)): s for s in req.params.stop}
         hits = [i for i in found if i >= 0]
         if hits:
             req.output_text = req.output_text[:min(hits)]
+            req.stop_reason = found[min(hits)]
         return bool(hits)
 
     def _finish(self, req: Request, reason: str) -> None:

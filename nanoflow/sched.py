@@ -132,6 +132,7 @@ class Request:
     last_moved: float = float("-inf")  # last preempted or resumed (tokenflow's anti-thrashing)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: str | None = None  # the stop string that ended it, if one did
     output_text: str = ""
     num_preemptions: int = 0
     generator: torch.Generator | None = None

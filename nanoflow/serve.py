@@ -30,7 +30,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
-from . import dist
+from . import anthropic, dist, responses
 from .engine import LLM, Engine, EngineConfig
 from .grammar import response_format_schema
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
@@ -71,6 +71,7 @@ KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
+ANTHROPIC_PATH = "/v1/messages"  # it, and the paths below it, answer errors in Anthropic's shape
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
 
 
@@ -104,6 +105,7 @@ class ChoiceDelta:
     completion_tokens: int = 0  # at the end
     error: HTTPError | None = None
     reasoning: str = ""  # with --reasoning-parser: the thinking (`text` is then the answer)
+    stop_reason: str | None = None  # at the end: the stop string that ended it, if one did
 
 
 @dataclass
@@ -243,7 +245,7 @@ class EngineLoop(threading.Thread):
         sent = choice.sent_tokens
         logprobs = list(zip(req.output_token_ids[sent:], req.logprobs[sent:]))
         delta = ChoiceDelta(choice.index, text[choice.sent:], logprobs, req.finish_reason,
-                            req.num_output_tokens, error)
+                            req.num_output_tokens, error, stop_reason=req.stop_reason)
         choice.sent = len(text)
         choice.sent_tokens = req.num_output_tokens
         started = req.num_output_tokens > 0 or req.is_finished
@@ -415,6 +417,7 @@ class Reply:
     reasoning: bool = False  # a reasoning parser splits the text: reasoning_content apart
     tools: ToolRequest | None = None
     tool_streams: dict = field(default_factory=dict)  # per choice: its ToolCallStream
+    stop_reason: str | None = None  # the stop string that ended the last finished choice
     created: int = field(default_factory=lambda: int(time.time()))
     text_sent: Counter = field(default_factory=Counter)  # per choice: characters with logprobs sent
 
@@ -451,6 +454,7 @@ class Reply:
 
     def finish_chunks(self, delta: ChoiceDelta) -> list[dict]:
         """A choice's last chunks: the text its tool parser held (calls or content), the finish."""
+        self.stop_reason = delta.stop_reason
         if not self.tools:
             return [self.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))]
         parser = self.tool_stream(delta.index)
@@ -506,6 +510,42 @@ def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
             "text_offset": list(itertools.accumulate(map(len, texts), initial=start))[:-1]}
 
 
+def chunks(reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> Iterator[dict]:
+    """The deltas as OpenAI streams them, in chat.completion.chunks; an error's body ends them."""
+    if reply.chat:
+        for i in range(n):
+            yield reply.chunk(ChoiceDelta(i), role=True)
+    done = []
+    for delta in deltas:
+        if delta.error:
+            yield delta.error.body()
+            return
+        if delta.text or delta.reasoning or delta.logprobs:
+            yield reply.chunk(replace(delta, finish_reason=None))
+        # the finish in a chunk of its own, as OpenAI sends it
+        if delta.finish_reason:
+            yield from reply.finish_chunks(delta)
+            done.append(delta)
+    if reply.include_usage and len(done) == n:
+        yield reply.usage_chunk(done)
+
+
+def finished(deltas: Iterator[ChoiceDelta]) -> list[ChoiceDelta]:
+    """Every delta of a whole answer; the first error is raised instead."""
+    got = list(deltas)
+    if errors := [e.error for e in got if e.error]:
+        raise errors[0]
+    return got
+
+
+def translated(translate, body: dict) -> dict:
+    """The chat body that another API's `body` asks for; what `translate` cannot read is a 400."""
+    try:
+        return translate(body)
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+
+
 # ---------------------------------------------------------------- HTTP
 
 
@@ -534,7 +574,8 @@ class Handler(BaseHTTPRequestHandler):
             length = self._content_length()
             # say so now: the client may wait for us before it sends the body
             if length > MAX_BODY_BYTES:
-                self._send_error(HTTPError(413, f"{length} bytes; the limit is {MAX_BODY_BYTES}"))
+                error = HTTPError(413, f"{length} bytes; the limit is {MAX_BODY_BYTES}")
+                self._send_error(error, path)
                 return self._discard(length)
             if path not in ROUTES:
                 raise HTTPError(404, f"no such path: {path}; see {', '.join(ROUTES)}")
@@ -546,13 +587,15 @@ class Handler(BaseHTTPRequestHandler):
             self._check_access(path, method)
             endpoint(self)
         except HTTPError as e:
-            self._send_error(e)
+            self._send_error(e, path)
 
     def _check_access(self, path: str, method: str) -> None:
         """The key (unless the path is open), the method, and a loaded model."""
         keyed = self.server.api_key and path not in OPEN_PATHS
-        given = self.headers.get("Authorization", "").encode()
-        if keyed and not hmac.compare_digest(given, f"Bearer {self.server.api_key}".encode()):
+        # Anthropic's clients send the key as x-api-key
+        given = [self.headers.get("Authorization", ""), f"Bearer {self.headers.get('x-api-key')}"]
+        key = f"Bearer {self.server.api_key}".encode()
+        if keyed and not any(hmac.compare_digest(g.encode(), key) for g in given):
             raise HTTPError(401, "send 'Authorization: Bearer <API key>'", "invalid_api_key")
         if self.command != method:
             raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
@@ -658,15 +701,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generate(self, chat: bool) -> None:
         body = self._read_json()
-        server = self.server
         check_fields(body, self.request_id)
+        stream = flag(body, "stream")
+        self._run(body, chat, stream, self._stream if stream else self._answer)
+
+    def _run(self, body: dict, chat: bool, stream: bool, answer) -> None:
+        """Check and submit a body; answer(reply, deltas, n) sends the answer, then it ends."""
+        server = self.server
         tools, schema = constraints(body, server.engine.tokenizer.chat_template, chat)
         ids = prompt_of(body, server.engine.tokenizer, chat, tools)
-        stream = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise HTTPError(400, "`stream_options` must be an object")
-        include_usage = stream and flag(options, "include_usage")
+        # a whole chat answer has its usage anyway; a translation reads it from the chunks
+        include_usage = flag(options, "include_usage")
         params = sampling_params(body, ids, server.engine, {**server.defaults,
                                                             "json_schema": schema}, chat)
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
@@ -679,7 +727,6 @@ class Handler(BaseHTTPRequestHandler):
         with server.in_flight():
             queued = server.loop.submit(request_ids, ids, params, self.request_id)
             try:
-                answer = self._stream if stream else self._answer
                 deltas = self._deltas(queued, n, keepalive=stream)
                 if reasoning:  # the prompt's end may open the thinking
                     tail = server.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
@@ -698,30 +745,40 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
         """Server-Sent Events as OpenAI sends them: a chunk per piece of text once it exists."""
         self._start_events()
-        if reply.chat:
-            for i in range(n):
-                self._sse(reply.chunk(ChoiceDelta(i), role=True))
-        done = []
-        for delta in deltas:
-            if delta.error:
-                self._sse(delta.error.body())
-                break
-            if delta.text or delta.reasoning or delta.logprobs:
-                self._sse(reply.chunk(replace(delta, finish_reason=None)))
-            # the finish in a chunk of its own, as OpenAI sends it
-            if delta.finish_reason:
-                for chunk in reply.finish_chunks(delta):
-                    self._sse(chunk)
-                done.append(delta)
-        if reply.include_usage and len(done) == n:
-            self._sse(reply.usage_chunk(done))
+        for chunk in chunks(reply, deltas, n):
+            self._sse(chunk)
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _answer(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
-        got = list(deltas)
-        if errors := [e.error for e in got if e.error]:
-            raise errors[0]
-        self._send_json(200, reply.whole(got))
+        self._send_json(200, reply.whole(finished(deltas)))
+
+    def _translated(self, api) -> None:
+        """An endpoint of another API (anthropic.py, responses.py): its body becomes a chat body,
+        which runs as chat's does; its translation turns the chat chunks into that API's answer."""
+        body = self._read_json()
+        chat = translated(api.chat_body, body)
+        stream = flag(chat, "stream")
+        self._run(chat, True, stream, functools.partial(self._send_translated, api, body, stream))
+
+    def _send_translated(self, api, body: dict, stream: bool, reply: Reply, deltas, n: int) -> None:
+        translation = api.Translation(body, reply)
+        events = translation.events(chunks(reply, deltas if stream else finished(deltas), n))
+        if not stream:
+            list(events)  # which build the whole answer
+            return self._send_json(200, translation.whole)
+        self._start_events()
+        for name, data in events:
+            self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+
+    anthropic_messages = functools.partialmethod(_translated, anthropic)
+    openai_responses = functools.partialmethod(_translated, responses)
+
+    def count_tokens(self) -> None:
+        """Anthropic's count_tokens: the prompt tokens of the body (without max_tokens) as a message."""
+        chat = translated(anthropic.chat_body, {**self._read_json(), "max_tokens": 1})
+        tokenizer = self.server.engine.tokenizer
+        tools, _ = constraints(chat, tokenizer.chat_template, True)
+        self._send_json(200, {"input_tokens": len(prompt_of(chat, tokenizer, True, tools))})
 
     def _deltas(self, deltas: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
         """The deltas of n choices until each has its last, or until the client leaves. A stream
@@ -794,11 +851,13 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header(name, value)
         self.end_headers()
 
-    def _send_error(self, e: HTTPError) -> None:
+    def _send_error(self, e: HTTPError, path: str = "") -> None:
         self.server.metrics.rejected(e.code)
         # what is left of the request body may still be on the socket
         self.close_connection = True
-        self._send_json(e.status, e.body(), {**e.headers, "Connection": "close"})
+        anthropic_shape = path.startswith(ANTHROPIC_PATH)
+        body = anthropic.error_body(e.status, str(e)) if anthropic_shape else e.body()
+        self._send_json(e.status, body, {**e.headers, "Connection": "close"})
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own errors (a bad request line, huge headers) as JSON too."""
@@ -813,7 +872,10 @@ ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions),
           "/tokenize": ("POST", Handler.tokenize), "/detokenize": ("POST", Handler.detokenize),
           "/health": ("GET", Handler.health), "/metrics": ("GET", Handler.metrics),
           "/": ("GET", Handler.live_page), "/v1/engine/events": ("GET", Handler.engine_events),
-          "/v1/engine/burst": ("POST", Handler.engine_burst)}
+          "/v1/engine/burst": ("POST", Handler.engine_burst),
+          ANTHROPIC_PATH: ("POST", Handler.anthropic_messages),
+          "/v1/messages/count_tokens": ("POST", Handler.count_tokens),
+          "/v1/responses": ("POST", Handler.openai_responses)}
 
 
 def peer_closed(sock: socket.socket, poller: select.poll) -> bool:

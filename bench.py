@@ -39,7 +39,7 @@ import torch
 from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import (READ_RATE_MAX, DecodeGraphs, EngineConfig, busy_cpu_seconds,
-                             clamp_read_rate, compute_threads)
+                             clamp_read_rate)
 from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
@@ -488,7 +488,7 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
         engine = make(policy=policy)
         blocks = engine.stats()["device_blocks_total"]
         if not args.simulate:
-            info["threads"] = compute_threads(engine)
+            info["threads"] = engine.threads.describe() if engine.threads else "a GPU"
         context = min(engine.max_model_len, blocks * BLOCK_SIZE)  # the pool must hold a request
         w = w.clamped(context)
         probe = probe_workload(w, blocks, engine.scheduler.max_num_batched_tokens)
@@ -697,8 +697,8 @@ REGIMES = [
     ("burst 32 (3x)", "--burst 32 --kv-frac 1"),
     ("burst 16 (1.3x), memory for a third", "--burst 16 --kv-frac 0.33"),
     ("burst 32 (3x), memory for 9 (issue 40)", "--burst 32 --prompt-len 45:2 --output-len 128:0"),
-    ("poisson 0.3/s (1/3)", "--poisson 0.3 --duration 30"),
-    ("poisson 1.4/s (1.3x)", "--poisson 1.4 --duration 20"),
+    ("poisson 0.3/s (1/3)", "--poisson 0.3 --duration 20"),
+    ("poisson 1.4/s (1.3x)", "--poisson 1.4 --duration 15"),
     ("multi-turn chat", "--multi-turn 6 --turns 3 --think-time 2 --prompt-len 256:32 "
      "--output-len 32:8 --read-rate 20"),
     ("long prompts", "--burst 6 --prompt-len 1024:64 --output-len 32:8"),

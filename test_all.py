@@ -3477,8 +3477,10 @@ def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_it
 
 def test_simulated_link_carries_both_directions_at_once():
     """In the simulator, a load issued during a long eviction is done after its own bytes, unless it
-    reads host blocks that eviction fills: then it starts once they are filled."""
-    engine = sim_engine("cpu-smollm2", "tokenflow")
+    reads host blocks that eviction fills: then it starts once they are filled. (Copies beside
+    compute, as a GPU's side streams run them: the CPU preset's block the engine instead.)"""
+    engine = sim_engine(toy_cost(link_bytes_per_s=1e9), "tokenflow")
+    assert engine.scheduler.swapper.async_copies
     swapper, now = engine.scheduler.swapper, engine.clock()
     block_s = swapper.transfer_time(1)
     swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out, into host blocks 0-99
@@ -3486,6 +3488,19 @@ def test_simulated_link_carries_both_directions_at_once():
     assert swapper.backlog() == pytest.approx(100 * block_s)
     assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
     assert swapper._to_device([99], [2]).at == pytest.approx(now + 101 * block_s)
+
+
+def test_a_cpu_presets_copies_hold_the_simulated_engine():
+    """On a CPU the engine's own thread copies KV: the simulated clock waits for each copy, as the
+    real engine does, and a load is done when the call returns (issue 40: a resumed request ran a
+    step later in the simulator than on the engine)."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    swapper, now = engine.scheduler.swapper, engine.clock()
+    block_s = swapper.transfer_time(1)
+    swapper._to_host(list(range(10)), list(range(10)))
+    assert engine.clock() == pytest.approx(now + 10 * block_s)
+    assert swapper._to_device([0, 1], [20, 21]).query()
+    assert engine.clock() == pytest.approx(now + 12 * block_s) and swapper.backlog() == 0
 
 
 def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, monkeypatch):

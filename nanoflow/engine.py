@@ -430,7 +430,8 @@ class LLM:
         # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead
         self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
                              c.max_model_len, c.enforce_eager or tp > 1, threads)
-        log.info("compute: %s", compute_threads(self.engine))
+        if threads:
+            log.info("compute: %s", threads.describe())
         if tp > 1:
             dist.lead(self.engine, swapper, capture=not c.enforce_eager and device.type == "cuda")
 
@@ -517,11 +518,6 @@ def busy_cpu_seconds() -> float | None:
     except OSError:
         return None
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def compute_threads(engine: Engine) -> str:
-    """How this engine computes: a GPU, or its CPU threads."""
-    return engine.threads.describe() if engine.threads else f"{engine.device.type}"
 
 
 def clamp_read_rate(rate: float) -> float:

@@ -91,6 +91,15 @@ class HTTPError(Exception):
         return {"error": {"message": str(self), "type": kind, "code": self.code}}
 
 
+@contextmanager
+def bad_request() -> Iterator[None]:
+    """A ValueError inside is the client's mistake: a 400 that says it."""
+    try:
+        yield
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+
+
 # ---------------------------------------------------------------- the engine thread
 
 
@@ -350,11 +359,9 @@ def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolReque
     """The request's tools and the JSON schema its output must follow (grammar.py, tools.py)."""
     if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
         raise HTTPError(400, "`tools` need /v1/chat/completions")
-    try:
+    with bad_request():
         tools = ToolRequest.of(body, template) if chat else None
         schema = response_format_schema(body.get("response_format"))
-    except ValueError as e:
-        raise HTTPError(400, str(e)) from None
     forced = tools.json_schema() if tools else None
     if forced is not None and schema is not None:
         raise HTTPError(400, "`response_format` and a forced `tool_choice` both constrain the "
@@ -538,14 +545,6 @@ def finished(deltas: Iterator[ChoiceDelta]) -> list[ChoiceDelta]:
     return got
 
 
-def translated(translate, body: dict) -> dict:
-    """The chat body that another API's `body` asks for; what `translate` cannot read is a 400."""
-    try:
-        return translate(body)
-    except ValueError as e:
-        raise HTTPError(400, str(e)) from None
-
-
 # ---------------------------------------------------------------- HTTP
 
 
@@ -667,10 +666,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def engine_burst(self) -> None:
         """The page's burst, sent from here: a browser holds only six connections to one server."""
-        try:
+        with bad_request():
             requests = burst_requests(self._read_json(), self.server.engine)
-        except ValueError as e:
-            raise HTTPError(400, str(e)) from None
         # nobody reads these queues: each is dropped with its finished request
         queues = []
         try:
@@ -756,7 +753,8 @@ class Handler(BaseHTTPRequestHandler):
         """An endpoint of another API (anthropic.py, responses.py): its body becomes a chat body,
         which runs as chat's does; its translation turns the chat chunks into that API's answer."""
         body = self._read_json()
-        chat = translated(api.chat_body, body)
+        with bad_request():
+            chat = api.chat_body(body)
         stream = flag(chat, "stream")
         self._run(chat, True, stream, functools.partial(self._send_translated, api, body, stream))
 
@@ -775,7 +773,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def count_tokens(self) -> None:
         """Anthropic's count_tokens: the prompt tokens of the body (without max_tokens) as a message."""
-        chat = translated(anthropic.chat_body, {**self._read_json(), "max_tokens": 1})
+        with bad_request():
+            chat = anthropic.chat_body({**self._read_json(), "max_tokens": 1})
         tokenizer = self.server.engine.tokenizer
         tools, _ = constraints(chat, tokenizer.chat_template, True)
         self._send_json(200, {"input_tokens": len(prompt_of(chat, tokenizer, True, tools))})

@@ -31,6 +31,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from . import anthropic, dist, responses
+from .anthropic import text_of
 from .engine import LLM, Engine, EngineConfig
 from .grammar import response_format_schema
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
@@ -68,8 +69,7 @@ KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_
                 "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
                 "chat_template_kwargs", *UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls",
                 "response_format"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-         "tool": "tool"}
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
 PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
 ANTHROPIC_PATH = "/v1/messages"  # it, and the paths below it, answer errors in Anthropic's shape
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
@@ -309,8 +309,8 @@ def chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(map(is_text_part, content)):
-            content = "\n".join(p["text"] for p in content)
+        with suppress(ValueError):  # a list of text parts, joined; anything else is refused below
+            content = text_of(content, "content")
         # an assistant's calls without text: tools.template_messages adds them
         if content is None and isinstance(m, dict) and m.get("tool_calls"):
             content = ""
@@ -318,12 +318,9 @@ def chat_messages(body: dict) -> list[dict]:
             raise HTTPError(400, f"messages[{i}] needs string `role` and `content` (or text parts)")
         if m["role"] not in ROLES:
             raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use {', '.join(ROLES)}")
-        out.append({"role": ROLES[m["role"]], "content": content})
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
     return out
-
-
-def is_text_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and type(part.get("text")) is str
 
 
 def prompt_ids(prompt, tokenizer) -> list[int]:

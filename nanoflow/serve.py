@@ -427,10 +427,12 @@ class Reply:
 
     def _object(self, choices: list, whole: bool = False, **extra) -> dict:
         chat_kind = "chat.completion" if whole else "chat.completion.chunk"
+        if self.include_usage and not whole:  # a chunk's usage is null, but for the last one
+            extra.setdefault("usage", None)
         return {"id": self.id, "object": chat_kind if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _choice(self, index: int, finish_reason: str | None, logprobs: list | None,
+    def _choice(self, index: int, finish_reason: str | None = None, logprobs: list | None = None,
                 **content) -> dict:
         if logprobs is None:
             shaped = None
@@ -451,7 +453,7 @@ class Reply:
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
-        return self._object([choice], **({"usage": None} if self.include_usage else {}))
+        return self._object([choice])
 
     def tool_stream(self, index: int) -> ToolCallStream:
         return self.tool_streams.setdefault(index, ToolCallStream(self.tools))
@@ -462,9 +464,7 @@ class Reply:
         if not self.tools:
             return [self.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))]
         parser = self.tool_stream(delta.index)
-        extra = {"usage": None} if self.include_usage else {}
-        held = [self._object([self._choice(delta.index, None, None, delta=d)], **extra)
-                for d in parser.finish()]
+        held = [self._object([self._choice(delta.index, delta=d)]) for d in parser.finish()]
         reason = parser.finish_reason(delta.finish_reason)
         return held + [self.chunk(ChoiceDelta(delta.index, finish_reason=reason))]
 

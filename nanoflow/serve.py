@@ -696,12 +696,12 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, chat: bool) -> None:
         body = self._read_json()
         check_fields(body, self.request_id)
-        stream = flag(body, "stream")
-        self._run(body, chat, stream, self._stream if stream else self._answer)
+        self._run(body, chat, self._send_openai)
 
-    def _run(self, body: dict, chat: bool, stream: bool, answer) -> None:
-        """Check and submit a body; answer(reply, deltas, n) sends the answer, then it ends."""
+    def _run(self, body: dict, chat: bool, answer) -> None:
+        """Check and submit a body; answer(stream, reply, deltas, n) sends what comes back."""
         server = self.server
+        stream = flag(body, "stream")
         tools, schema = constraints(body, server.engine.tokenizer.chat_template, chat)
         ids = prompt_of(body, server.engine.tokenizer, chat, tools)
         options = body.get("stream_options") or {}
@@ -725,7 +725,7 @@ class Handler(BaseHTTPRequestHandler):
                 if reasoning:  # the prompt's end may open the thinking
                     tail = server.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
                     deltas = split_reasoning(deltas, reasoning, tail)
-                answer(reply, deltas, n)
+                answer(stream, reply, deltas, n)
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
@@ -736,15 +736,14 @@ class Handler(BaseHTTPRequestHandler):
     chat_completions = functools.partialmethod(_generate, chat=True)
     completions = functools.partialmethod(_generate, chat=False)
 
-    def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
-        """Server-Sent Events as OpenAI sends them: a chunk per piece of text once it exists."""
+    def _send_openai(self, stream: bool, reply: Reply, deltas, n: int) -> None:
+        """The whole answer, or Server-Sent Events as OpenAI sends them: a chunk per new piece."""
+        if not stream:
+            return self._send_json(200, reply.whole(finished(deltas)))
         self._start_events()
         for chunk in chunks(reply, deltas, n):
             self._sse(chunk)
         self.wfile.write(b"data: [DONE]\n\n")
-
-    def _answer(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
-        self._send_json(200, reply.whole(finished(deltas)))
 
     def _translated(self, api) -> None:
         """An endpoint of another API (anthropic.py, responses.py): its body becomes a chat body,
@@ -752,8 +751,7 @@ class Handler(BaseHTTPRequestHandler):
         body = self._read_json()
         with bad_request():
             chat = api.chat_body(body)
-        stream = flag(chat, "stream")
-        self._run(chat, True, stream, functools.partial(self._send_translated, api, body, stream))
+        self._run(chat, True, functools.partial(self._send_translated, api, body))
 
     def _send_translated(self, api, body: dict, stream: bool, reply: Reply, deltas, n: int) -> None:
         translation = api.Translation(body, reply)

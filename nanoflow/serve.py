@@ -86,8 +86,9 @@ class HTTPError(Exception):
         self.code = code or re.sub("[ -]", "_", HTTPStatus(status).phrase.lower())
 
     def body(self) -> dict:
-        kind = ("authentication_error" if self.status == 401 else
-                "invalid_request_error" if self.status < 500 else "server_error")
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
         return {"error": {"message": str(self), "type": kind, "code": self.code}}
 
 
@@ -257,8 +258,7 @@ class EngineLoop(threading.Thread):
                             req.num_output_tokens, error, stop_reason=req.stop_reason)
         choice.sent = len(text)
         choice.sent_tokens = req.num_output_tokens
-        started = req.num_output_tokens > 0 or req.is_finished
-        if choice.queued and started:
+        if choice.queued and (req.num_output_tokens > 0 or req.is_finished):
             self._unqueue(choice)
         if req.is_finished:
             del self.choices[req.request_id]
@@ -325,8 +325,7 @@ def chat_messages(body: dict) -> list[dict]:
 
 def prompt_ids(prompt, tokenizer) -> list[int]:
     """`prompt` as text or token ids; a batch of one is unwrapped (one prompt per request)."""
-    batch_of_one = isinstance(prompt, list) and len(prompt) == 1
-    if batch_of_one and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
@@ -635,9 +634,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def models(self) -> None:
         server = self.server
-        self._send_json(200, {"object": "list", "data": [
-            {"id": name, "object": "model", "created": server.created, "owned_by": "nanoflow",
-             "max_model_len": server.engine.max_model_len} for name in server.model_names]})
+        card = {"object": "model", "created": server.created, "owned_by": "nanoflow"}
+        card["max_model_len"] = server.engine.max_model_len
+        data = [{"id": name, **card} for name in server.model_names]
+        self._send_json(200, {"object": "list", "data": data})
 
     def metrics(self) -> None:
         loop, metrics = self.server.loop, self.server.metrics

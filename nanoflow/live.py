@@ -116,8 +116,10 @@ class LiveView:
             self.counting_since, self.tokens = now, 0
         self.built_at = now
         stats = engine.stats()
-        pools = {f"{pool}_blocks": [stats[f"{pool}_blocks_total"] - stats[f"{pool}_blocks_free"],
-                                    stats[f"{pool}_blocks_total"]] for pool in ("device", "host")}
+        pools = {}
+        for pool in ("device", "host"):  # [used, total]
+            total = stats[f"{pool}_blocks_total"]
+            pools[f"{pool}_blocks"] = [total - stats[f"{pool}_blocks_free"], total]
         return {"server": self.server_id, "model": self.model,
                 "policy": type(engine.scheduler.policy).__name__.lower(),
                 "tokens_per_s": self.tokens_per_s, "rows": rows, "events": list(self.events),

@@ -22,6 +22,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3 may open its calls with it
 BARE_STARTS = ("{", "[", PYTHON_TAG)
+CALL_BLOCK = re.compile(f"{re.escape(CALL_START)}(.*?)(?:{re.escape(CALL_END)}|$)", re.S)
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -139,8 +140,7 @@ def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
     """(content, OpenAI tool_calls) of a model's answer; ("the text", []) unless every call found
     is a valid call of an offered function."""
     if CALL_START in text:
-        pieces = re.split(f"{re.escape(CALL_START)}(.*?)(?:{re.escape(CALL_END)}|$)", text,
-                          flags=re.S)
+        pieces = CALL_BLOCK.split(text)
         content, blocks = "".join(pieces[::2]).strip(), pieces[1::2]
     else:
         bare = text.strip().removeprefix(PYTHON_TAG)
@@ -199,8 +199,8 @@ class ToolCallStream:
             if self.calls:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
             self.calls = [new_call(self.tools.choice, "")]
-            return {"tool_calls": [{"index": 0, **self.calls[0], "function": {
-                "name": self.tools.choice, "arguments": text}}]}
+            function = {"name": self.tools.choice, "arguments": text}
+            return {"tool_calls": [{"index": 0, **self.calls[0], "function": function}]}
         stripped = self.text.lstrip()
         if not self.sent and any(s.startswith(stripped) or stripped.startswith(s)
                                  for s in BARE_STARTS):
@@ -225,9 +225,8 @@ class ToolCallStream:
         deltas = [{"content": content}] if content else []
         for i, c in enumerate(self.calls):
             head = {"index": i, **c, "function": {"name": c["function"]["name"], "arguments": ""}}
-            deltas += [{"tool_calls": [head]},
-                       {"tool_calls": [{"index": i, "function": {"arguments":
-                                                                 c["function"]["arguments"]}}]}]
+            arguments = {"index": i, "function": {"arguments": c["function"]["arguments"]}}
+            deltas += [{"tool_calls": [head]}, {"tool_calls": [arguments]}]
         return deltas
 
     def message(self, text: str) -> dict:
@@ -236,8 +235,9 @@ class ToolCallStream:
             self.calls = [new_call(self.tools.choice, text)]
             return {"content": None, "tool_calls": self.calls}
         content, self.calls = parse_tool_calls(text, self.tools.names)
-        return {"content": content or None, "tool_calls": self.calls} if self.calls else {
-            "content": content}
+        if not self.calls:
+            return {"content": content}
+        return {"content": content or None, "tool_calls": self.calls}
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if self.calls and reason == "stop" else reason

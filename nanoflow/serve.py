@@ -58,6 +58,9 @@ MAX_CHOICES = 16  # `n`: copies of one prompt; more would crowd out everyone els
 MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
+# an event stream's headers (X-Accel-Buffering: nginx passes each chunk on at once)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no", "Connection": "close"}
 # the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint,
 # `json_schema` comes from response_format or tool_choice
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)
@@ -822,9 +825,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _start_events(self) -> None:
         self.close_connection = True
-        # X-Accel-Buffering: nginx passes each chunk on at once
-        self._start(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                          "X-Accel-Buffering": "no", "Connection": "close"})
+        self._start(200, SSE_HEADERS)
 
     def _sse(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

@@ -176,9 +176,8 @@ class EngineLoop(threading.Thread):
         return deltas
 
     def retry_after(self, prompt_tokens: int, max_tokens: int) -> int:
-        """0 while fewer than max_waiting queued requests (like this one) are stuck: the engine, at
-        its measured prefill rate, cannot start them within START_BOUND_S. Else the seconds its
-        measured decode rate needs to make the outputs of those over the limit."""
+        """0 while fewer than max_waiting queued requests cannot start within START_BOUND_S at the
+        measured prefill rate; else the seconds the decode rate needs for those over the limit."""
         s = self.engine.scheduler
         startable = int(START_BOUND_S * s.rates.prefill_rate / max(1, prompt_tokens))
         excess, batch = self.num_queued - startable - self.max_waiting + 1, max(1, len(s.running))
@@ -370,8 +369,7 @@ def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolReque
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
                     chat: bool) -> list[SamplingParams]:
-    """Each choice's SamplingParams: the body's OpenAI fields over the defaults, checked with the
-    prompt (a served request's one check: the engine trusts it). A 400 if it cannot run."""
+    """Each choice's SamplingParams, the body's over the defaults, checked: the engine trusts it."""
     given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
@@ -749,8 +747,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _translated(self, api) -> None:
-        """An endpoint of another API (anthropic.py, responses.py): its body becomes a chat body,
-        which runs as chat's does; its translation turns the chat chunks into that API's answer."""
+        """Anthropic's or Responses' endpoint: the body runs as chat's, the answer is translated."""
         body = self._read_json()
         with bad_request():
             chat = api.chat_body(body)
@@ -778,8 +775,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"input_tokens": len(prompt_of(chat, tokenizer, True, tools))})
 
     def _deltas(self, deltas: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
-        """The deltas of n choices until each has its last, or until the client leaves. A stream
-        that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
+        """The deltas of n choices until each has its last or the client leaves; see KEEPALIVE_S."""
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
         quiet_since = time.monotonic()

@@ -1,13 +1,8 @@
 """Tool calling: OpenAI's `tools` and `tool_choice` in, `tool_calls` out.
 
-`ToolRequest.of` checks a chat request's tools. They reach the chat template as HuggingFace's
-`apply_chat_template(tools=...)` passes them. With `tool_choice` "required" the output is
-constrained (grammar.py) to a JSON array of calls of offered tools, with a named function to that
-function's arguments, so that even a small model makes a valid call; with "auto" the model decides.
-`parse_tool_calls` reads a model's calls back: Hermes' and Qwen's `<tool_call>{...}</tool_call>`
-blocks, or Llama 3's bare JSON `{"name", "parameters"}` (one, an array, or several split by `;`);
-text that is not a valid call of an offered tool stays content. `ToolCallStream` does the same for
-one choice of a stream: content while the text cannot be a call, `tool_calls` deltas once it is.
+`ToolRequest.of` checks a chat request's tools; "required" or a named function constrains the
+output (grammar.py). `parse_tool_calls` reads a model's calls back (Hermes' and Qwen's `<tool_call>`
+blocks, Llama 3's bare JSON), `ToolCallStream` a stream's. The details: docs/structured-outputs.md.
 """
 
 import json
@@ -105,9 +100,8 @@ def _check_tool(i: int, tool) -> str:
 
 
 def template_messages(messages: list[dict], given: list[dict], template: str) -> list[dict]:
-    """`messages` (checked, text content) with the assistant's `tool_calls` and the tool results'
-    `tool_call_id` of the `given` ones: as HuggingFace passes them (arguments as objects) to a
-    template that knows tools, as `<tool_call>` text in the content of one that does not."""
+    """`messages` with the `given` ones' `tool_calls` and `tool_call_id`: as HuggingFace passes them
+    to a template that knows tools, as `<tool_call>` text in the content of one that does not."""
     knows = knows_tools(template)
     out = []
     for i, (m, g) in enumerate(zip(messages, given)):
@@ -217,8 +211,7 @@ class ToolCallStream:
         return len(self.text) - marker_start_at_end(self.text, CALL_START)
 
     def finish(self) -> list[dict]:
-        """The deltas of the text held back: each call's id and name, then its arguments; or the
-        text as content if it holds no valid call."""
+        """The held text's deltas: each call's id and name, then its arguments; or the content."""
         if self.tools.choice not in ("auto", "required"):
             return []
         content, self.calls = parse_tool_calls(self.text[self.sent:], self.tools.names)

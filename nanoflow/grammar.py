@@ -1,14 +1,8 @@
 """Structured outputs: a request's output constrained to a JSON schema, by llguidance.
 
-`response_format` (json_object, json_schema) and forced tool calls (tools.py) become one JSON schema
-in `SamplingParams.json_schema`; `LLM.generate` takes the same field. At `add_request` the request
-gets its own matcher, and every token appended to it advances the matcher (`Engine._append_token`).
-Each step the sampler asks `apply_bitmasks` for the constrained rows only: their token bitmasks are
-filled together (in parallel, by llguidance's Rust executor) and the logits of the tokens a grammar
-forbids become -inf, EOS included until the grammar accepts. A step without a constrained row does
-no grammar work at all. Preemption leaves the matcher alone: a swapped request keeps it, and a
-recomputed one only rebuilds KV for tokens the matcher already took, appending none.
-Why llguidance and what it costs: docs/structured-outputs.md.
+`response_format` and forced tool calls (tools.py) become `SamplingParams.json_schema`; each such
+request gets its own matcher, and `apply_bitmasks` sets the logits its grammar forbids to -inf.
+How, why llguidance, and what it costs: docs/structured-outputs.md.
 """
 
 import functools

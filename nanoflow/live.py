@@ -1,10 +1,7 @@
 """The live view: what the page at `GET /` (live.html) shows, several times a second.
 
-While a browser watches, the engine thread (the only one that touches requests) builds a snapshot
-after a step, at most every SNAPSHOT_INTERVAL_S, and at once when it has taken new requests (a row
-per request with its reader's buffer, the KV pools, tokens/s, recent preemptions and resumes); the
-viewers' threads send it as an SSE event, and while the engine thread is busy in a long step they
-say so every BUSY_HINT_S.
+While a browser watches, the engine thread builds snapshots (a row per request with its reader's
+buffer, the KV pools, tokens/s, recent preemptions and resumes); viewers' threads send them as SSE.
 """
 
 import math
@@ -116,8 +113,10 @@ class LiveView:
             self.counting_since, self.tokens = now, 0
         self.built_at = now
         stats = engine.stats()
-        pools = {f"{pool}_blocks": [stats[f"{pool}_blocks_total"] - stats[f"{pool}_blocks_free"],
-                                    stats[f"{pool}_blocks_total"]] for pool in ("device", "host")}
+        pools = {}
+        for pool in ("device", "host"):  # [used, total]
+            total = stats[f"{pool}_blocks_total"]
+            pools[f"{pool}_blocks"] = [total - stats[f"{pool}_blocks_free"], total]
         return {"server": self.server_id, "model": self.model,
                 "policy": type(engine.scheduler.policy).__name__.lower(),
                 "tokens_per_s": self.tokens_per_s, "rows": rows, "events": list(self.events),

@@ -1,11 +1,7 @@
 """A thinking model's reasoning, apart from its answer: the server's `--reasoning-parser qwen3`.
 
-Qwen3 thinks first, between <think> and </think>, then answers. The engine generates, stops and
-counts tokens over the whole text as for any model (a stop string inside the thinking stops it,
-max_tokens counts both); only the chat answer is split: the thinking goes to `reasoning_content`
-(the field vLLM and SGLang use and chat UIs read), the rest to `content`, streamed or not. The
-parser reads text, not token ids, so a marker may arrive in one token (Qwen3) or in several: what
-may be the start of a marker is held back until the next piece shows what it is.
+The engine stops and counts tokens over the whole text; only the chat answer is split: the thinking
+(between <think> and </think>) goes to `reasoning_content`, as in vLLM, the rest to `content`.
 """
 
 from collections.abc import Iterator
@@ -15,12 +11,9 @@ REASONING_PARSERS = {"qwen3": ("<think>", "</think>")}  # --reasoning-parser: it
 
 
 class ReasoningParser:
-    """Splits one choice's text, fed piece by piece, into its reasoning and its content.
-
-    The output thinks from its start if it opens with the start marker, or if the prompt ended
-    with it (templates that open the think block themselves); the thinking ends at the end marker.
-    An output that starts with anything else is all answer; one cut inside its thinking (by
-    max_tokens or a stop string) is all reasoning."""
+    """Splits one choice's text, fed piece by piece, into its reasoning and its content. It thinks
+    from its start if it opens with the start marker or the prompt ended with it, until the end
+    marker; an output that starts otherwise is all answer, one cut while thinking all reasoning."""
 
     def __init__(self, name: str, prompt_tail: str):
         self.start, self.end = REASONING_PARSERS[name]

@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`/v1/responses`), stateless, as a translation like anthropic.py's.
 
-`chat_body` turns a Responses body into a chat body; `Translation` turns the chat chunks into the
-Responses events and Response. Nothing is stored: `previous_response_id`, `conversation`, `store`
-and `background` are refused. It imports anthropic.py's readers of bodies and of chat chunks.
+`chat_body` turns a Responses body into a chat body, `Translation` the chat chunks into Responses'
+events and Response. Nothing is stored: `previous_response_id`, `conversation`, `store` and
+`background` are refused.
 """
 
 import uuid
@@ -84,8 +84,7 @@ class Translation:
         self.at = self.item_at = self.part_at = {}
 
     def events(self, chunks: Iterator[dict]) -> Iterator[tuple[str, dict]]:
-        """(event type, data) pairs, from response.created to response.completed (or
-        response.incomplete where max_output_tokens cut it), or an error."""
+        """(event type, data) pairs: response.created to .completed (or .incomplete) or an error."""
         yield self._event("response.created", response={**self.whole, "output": []})
         yield self._event("response.in_progress", response={**self.whole, "output": []})
         output = self.whole["output"]

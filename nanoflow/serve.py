@@ -31,6 +31,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from . import anthropic, dist, responses
+from .anthropic import text_of
 from .engine import LLM, Engine, EngineConfig
 from .grammar import response_format_schema
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
@@ -57,6 +58,9 @@ MAX_CHOICES = 16  # `n`: copies of one prompt; more would crowd out everyone els
 MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
+# an event stream's headers (X-Accel-Buffering: nginx passes each chunk on at once)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no", "Connection": "close"}
 # the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint,
 # `json_schema` comes from response_format or tool_choice
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)
@@ -68,8 +72,7 @@ KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_
                 "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
                 "chat_template_kwargs", *UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls",
                 "response_format"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-         "tool": "tool"}
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
 PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
 ANTHROPIC_PATH = "/v1/messages"  # it, and the paths below it, answer errors in Anthropic's shape
 OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page asks for the key
@@ -86,9 +89,19 @@ class HTTPError(Exception):
         self.code = code or re.sub("[ -]", "_", HTTPStatus(status).phrase.lower())
 
     def body(self) -> dict:
-        kind = ("authentication_error" if self.status == 401 else
-                "invalid_request_error" if self.status < 500 else "server_error")
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
         return {"error": {"message": str(self), "type": kind, "code": self.code}}
+
+
+@contextmanager
+def bad_request() -> Iterator[None]:
+    """A ValueError inside is the client's mistake: a 400 that says it."""
+    try:
+        yield
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
 
 
 # ---------------------------------------------------------------- the engine thread
@@ -163,9 +176,8 @@ class EngineLoop(threading.Thread):
         return deltas
 
     def retry_after(self, prompt_tokens: int, max_tokens: int) -> int:
-        """0 while fewer than max_waiting queued requests (like this one) are stuck: the engine, at
-        its measured prefill rate, cannot start them within START_BOUND_S. Else the seconds its
-        measured decode rate needs to make the outputs of those over the limit."""
+        """0 while fewer than max_waiting queued requests cannot start within START_BOUND_S at the
+        measured prefill rate; else the seconds the decode rate needs for those over the limit."""
         s = self.engine.scheduler
         startable = int(START_BOUND_S * s.rates.prefill_rate / max(1, prompt_tokens))
         excess, batch = self.num_queued - startable - self.max_waiting + 1, max(1, len(s.running))
@@ -248,8 +260,7 @@ class EngineLoop(threading.Thread):
                             req.num_output_tokens, error, stop_reason=req.stop_reason)
         choice.sent = len(text)
         choice.sent_tokens = req.num_output_tokens
-        started = req.num_output_tokens > 0 or req.is_finished
-        if choice.queued and started:
+        if choice.queued and (req.num_output_tokens > 0 or req.is_finished):
             self._unqueue(choice)
         if req.is_finished:
             del self.choices[req.request_id]
@@ -300,8 +311,8 @@ def chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(map(is_text_part, content)):
-            content = "\n".join(p["text"] for p in content)
+        with suppress(ValueError):  # a list of text parts, joined; anything else is refused below
+            content = text_of(content, "content")
         # an assistant's calls without text: tools.template_messages adds them
         if content is None and isinstance(m, dict) and m.get("tool_calls"):
             content = ""
@@ -309,18 +320,14 @@ def chat_messages(body: dict) -> list[dict]:
             raise HTTPError(400, f"messages[{i}] needs string `role` and `content` (or text parts)")
         if m["role"] not in ROLES:
             raise HTTPError(400, f"messages[{i}] has role {m['role']!r}; use {', '.join(ROLES)}")
-        out.append({"role": ROLES[m["role"]], "content": content})
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
     return out
-
-
-def is_text_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and type(part.get("text")) is str
 
 
 def prompt_ids(prompt, tokenizer) -> list[int]:
     """`prompt` as text or token ids; a batch of one is unwrapped (one prompt per request)."""
-    batch_of_one = isinstance(prompt, list) and len(prompt) == 1
-    if batch_of_one and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
@@ -350,11 +357,9 @@ def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolReque
     """The request's tools and the JSON schema its output must follow (grammar.py, tools.py)."""
     if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
         raise HTTPError(400, "`tools` need /v1/chat/completions")
-    try:
+    with bad_request():
         tools = ToolRequest.of(body, template) if chat else None
         schema = response_format_schema(body.get("response_format"))
-    except ValueError as e:
-        raise HTTPError(400, str(e)) from None
     forced = tools.json_schema() if tools else None
     if forced is not None and schema is not None:
         raise HTTPError(400, "`response_format` and a forced `tool_choice` both constrain the "
@@ -364,8 +369,7 @@ def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolReque
 
 def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
                     chat: bool) -> list[SamplingParams]:
-    """Each choice's SamplingParams: the body's OpenAI fields over the defaults, checked with the
-    prompt (a served request's one check: the engine trusts it). A 400 if it cannot run."""
+    """Each choice's SamplingParams, the body's over the defaults, checked: the engine trusts it."""
     given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
@@ -423,10 +427,12 @@ class Reply:
 
     def _object(self, choices: list, whole: bool = False, **extra) -> dict:
         chat_kind = "chat.completion" if whole else "chat.completion.chunk"
+        if self.include_usage and not whole:  # a chunk's usage is null, but for the last one
+            extra.setdefault("usage", None)
         return {"id": self.id, "object": chat_kind if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _choice(self, index: int, finish_reason: str | None, logprobs: list | None,
+    def _choice(self, index: int, finish_reason: str | None = None, logprobs: list | None = None,
                 **content) -> dict:
         if logprobs is None:
             shaped = None
@@ -447,7 +453,7 @@ class Reply:
         chat_delta = {"role": "assistant", "content": ""} if role else text
         content = {"delta": chat_delta} if self.chat else {"text": delta.text}
         choice = self._choice(delta.index, delta.finish_reason, delta.logprobs or None, **content)
-        return self._object([choice], **({"usage": None} if self.include_usage else {}))
+        return self._object([choice])
 
     def tool_stream(self, index: int) -> ToolCallStream:
         return self.tool_streams.setdefault(index, ToolCallStream(self.tools))
@@ -458,9 +464,7 @@ class Reply:
         if not self.tools:
             return [self.chunk(ChoiceDelta(delta.index, finish_reason=delta.finish_reason))]
         parser = self.tool_stream(delta.index)
-        extra = {"usage": None} if self.include_usage else {}
-        held = [self._object([self._choice(delta.index, None, None, delta=d)], **extra)
-                for d in parser.finish()]
+        held = [self._object([self._choice(delta.index, delta=d)]) for d in parser.finish()]
         reason = parser.finish_reason(delta.finish_reason)
         return held + [self.chunk(ChoiceDelta(delta.index, finish_reason=reason))]
 
@@ -536,14 +540,6 @@ def finished(deltas: Iterator[ChoiceDelta]) -> list[ChoiceDelta]:
     if errors := [e.error for e in got if e.error]:
         raise errors[0]
     return got
-
-
-def translated(translate, body: dict) -> dict:
-    """The chat body that another API's `body` asks for; what `translate` cannot read is a 400."""
-    try:
-        return translate(body)
-    except ValueError as e:
-        raise HTTPError(400, str(e)) from None
 
 
 # ---------------------------------------------------------------- HTTP
@@ -639,9 +635,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def models(self) -> None:
         server = self.server
-        self._send_json(200, {"object": "list", "data": [
-            {"id": name, "object": "model", "created": server.created, "owned_by": "nanoflow",
-             "max_model_len": server.engine.max_model_len} for name in server.model_names]})
+        card = {"object": "model", "created": server.created, "owned_by": "nanoflow"}
+        card["max_model_len"] = server.engine.max_model_len
+        data = [{"id": name, **card} for name in server.model_names]
+        self._send_json(200, {"object": "list", "data": data})
 
     def metrics(self) -> None:
         loop, metrics = self.server.loop, self.server.metrics
@@ -667,10 +664,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def engine_burst(self) -> None:
         """The page's burst, sent from here: a browser holds only six connections to one server."""
-        try:
+        with bad_request():
             requests = burst_requests(self._read_json(), self.server.engine)
-        except ValueError as e:
-            raise HTTPError(400, str(e)) from None
         # nobody reads these queues: each is dropped with its finished request
         queues = []
         try:
@@ -702,12 +697,12 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, chat: bool) -> None:
         body = self._read_json()
         check_fields(body, self.request_id)
-        stream = flag(body, "stream")
-        self._run(body, chat, stream, self._stream if stream else self._answer)
+        self._run(body, chat, self._send_openai)
 
-    def _run(self, body: dict, chat: bool, stream: bool, answer) -> None:
-        """Check and submit a body; answer(reply, deltas, n) sends the answer, then it ends."""
+    def _run(self, body: dict, chat: bool, answer) -> None:
+        """Check and submit a body; answer(stream, reply, deltas, n) sends what comes back."""
         server = self.server
+        stream = flag(body, "stream")
         tools, schema = constraints(body, server.engine.tokenizer.chat_template, chat)
         ids = prompt_of(body, server.engine.tokenizer, chat, tools)
         options = body.get("stream_options") or {}
@@ -731,7 +726,7 @@ class Handler(BaseHTTPRequestHandler):
                 if reasoning:  # the prompt's end may open the thinking
                     tail = server.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
                     deltas = split_reasoning(deltas, reasoning, tail)
-                answer(reply, deltas, n)
+                answer(stream, reply, deltas, n)
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
@@ -742,23 +737,21 @@ class Handler(BaseHTTPRequestHandler):
     chat_completions = functools.partialmethod(_generate, chat=True)
     completions = functools.partialmethod(_generate, chat=False)
 
-    def _stream(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
-        """Server-Sent Events as OpenAI sends them: a chunk per piece of text once it exists."""
+    def _send_openai(self, stream: bool, reply: Reply, deltas, n: int) -> None:
+        """The whole answer, or Server-Sent Events as OpenAI sends them: a chunk per new piece."""
+        if not stream:
+            return self._send_json(200, reply.whole(finished(deltas)))
         self._start_events()
         for chunk in chunks(reply, deltas, n):
             self._sse(chunk)
         self.wfile.write(b"data: [DONE]\n\n")
 
-    def _answer(self, reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> None:
-        self._send_json(200, reply.whole(finished(deltas)))
-
     def _translated(self, api) -> None:
-        """An endpoint of another API (anthropic.py, responses.py): its body becomes a chat body,
-        which runs as chat's does; its translation turns the chat chunks into that API's answer."""
+        """Anthropic's or Responses' endpoint: the body runs as chat's, the answer is translated."""
         body = self._read_json()
-        chat = translated(api.chat_body, body)
-        stream = flag(chat, "stream")
-        self._run(chat, True, stream, functools.partial(self._send_translated, api, body, stream))
+        with bad_request():
+            chat = api.chat_body(body)
+        self._run(chat, True, functools.partial(self._send_translated, api, body))
 
     def _send_translated(self, api, body: dict, stream: bool, reply: Reply, deltas, n: int) -> None:
         translation = api.Translation(body, reply)
@@ -775,14 +768,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def count_tokens(self) -> None:
         """Anthropic's count_tokens: the prompt tokens of the body (without max_tokens) as a message."""
-        chat = translated(anthropic.chat_body, {**self._read_json(), "max_tokens": 1})
+        with bad_request():
+            chat = anthropic.chat_body({**self._read_json(), "max_tokens": 1})
         tokenizer = self.server.engine.tokenizer
         tools, _ = constraints(chat, tokenizer.chat_template, True)
         self._send_json(200, {"input_tokens": len(prompt_of(chat, tokenizer, True, tools))})
 
     def _deltas(self, deltas: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
-        """The deltas of n choices until each has its last, or until the client leaves. A stream
-        that gets nothing for KEEPALIVE_S (tokenflow pauses some) gets a comment."""
+        """The deltas of n choices until each has its last or the client leaves; see KEEPALIVE_S."""
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
         quiet_since = time.monotonic()
@@ -828,9 +821,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _start_events(self) -> None:
         self.close_connection = True
-        # X-Accel-Buffering: nginx passes each chunk on at once
-        self._start(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                          "X-Accel-Buffering": "no", "Connection": "close"})
+        self._start(200, SSE_HEADERS)
 
     def _sse(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

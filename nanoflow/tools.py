@@ -1,13 +1,8 @@
 """Tool calling: OpenAI's `tools` and `tool_choice` in, `tool_calls` out.
 
-`ToolRequest.of` checks a chat request's tools. They reach the chat template as HuggingFace's
-`apply_chat_template(tools=...)` passes them. With `tool_choice` "required" the output is
-constrained (grammar.py) to a JSON array of calls of offered tools, with a named function to that
-function's arguments, so that even a small model makes a valid call; with "auto" the model decides.
-`parse_tool_calls` reads a model's calls back: Hermes' and Qwen's `<tool_call>{...}</tool_call>`
-blocks, or Llama 3's bare JSON `{"name", "parameters"}` (one, an array, or several split by `;`);
-text that is not a valid call of an offered tool stays content. `ToolCallStream` does the same for
-one choice of a stream: content while the text cannot be a call, `tool_calls` deltas once it is.
+`ToolRequest.of` checks a chat request's tools; "required" or a named function constrains the
+output (grammar.py). `parse_tool_calls` reads a model's calls back (Hermes' and Qwen's `<tool_call>`
+blocks, Llama 3's bare JSON), `ToolCallStream` a stream's. The details: docs/structured-outputs.md.
 """
 
 import json
@@ -22,6 +17,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3 may open its calls with it
 BARE_STARTS = ("{", "[", PYTHON_TAG)
+CALL_BLOCK = re.compile(f"{re.escape(CALL_START)}(.*?)(?:{re.escape(CALL_END)}|$)", re.S)
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -104,9 +100,8 @@ def _check_tool(i: int, tool) -> str:
 
 
 def template_messages(messages: list[dict], given: list[dict], template: str) -> list[dict]:
-    """`messages` (checked, text content) with the assistant's `tool_calls` and the tool results'
-    `tool_call_id` of the `given` ones: as HuggingFace passes them (arguments as objects) to a
-    template that knows tools, as `<tool_call>` text in the content of one that does not."""
+    """`messages` with the `given` ones' `tool_calls` and `tool_call_id`: as HuggingFace passes them
+    to a template that knows tools, as `<tool_call>` text in the content of one that does not."""
     knows = knows_tools(template)
     out = []
     for i, (m, g) in enumerate(zip(messages, given)):
@@ -139,8 +134,7 @@ def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
     """(content, OpenAI tool_calls) of a model's answer; ("the text", []) unless every call found
     is a valid call of an offered function."""
     if CALL_START in text:
-        pieces = re.split(f"{re.escape(CALL_START)}(.*?)(?:{re.escape(CALL_END)}|$)", text,
-                          flags=re.S)
+        pieces = CALL_BLOCK.split(text)
         content, blocks = "".join(pieces[::2]).strip(), pieces[1::2]
     else:
         bare = text.strip().removeprefix(PYTHON_TAG)
@@ -199,8 +193,8 @@ class ToolCallStream:
             if self.calls:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
             self.calls = [new_call(self.tools.choice, "")]
-            return {"tool_calls": [{"index": 0, **self.calls[0], "function": {
-                "name": self.tools.choice, "arguments": text}}]}
+            function = {"name": self.tools.choice, "arguments": text}
+            return {"tool_calls": [{"index": 0, **self.calls[0], "function": function}]}
         stripped = self.text.lstrip()
         if not self.sent and any(s.startswith(stripped) or stripped.startswith(s)
                                  for s in BARE_STARTS):
@@ -217,17 +211,15 @@ class ToolCallStream:
         return len(self.text) - marker_start_at_end(self.text, CALL_START)
 
     def finish(self) -> list[dict]:
-        """The deltas of the text held back: each call's id and name, then its arguments; or the
-        text as content if it holds no valid call."""
+        """The held text's deltas: each call's id and name, then its arguments; or the content."""
         if self.tools.choice not in ("auto", "required"):
             return []
         content, self.calls = parse_tool_calls(self.text[self.sent:], self.tools.names)
         deltas = [{"content": content}] if content else []
         for i, c in enumerate(self.calls):
             head = {"index": i, **c, "function": {"name": c["function"]["name"], "arguments": ""}}
-            deltas += [{"tool_calls": [head]},
-                       {"tool_calls": [{"index": i, "function": {"arguments":
-                                                                 c["function"]["arguments"]}}]}]
+            arguments = {"index": i, "function": {"arguments": c["function"]["arguments"]}}
+            deltas += [{"tool_calls": [head]}, {"tool_calls": [arguments]}]
         return deltas
 
     def message(self, text: str) -> dict:
@@ -236,8 +228,9 @@ class ToolCallStream:
             self.calls = [new_call(self.tools.choice, text)]
             return {"content": None, "tool_calls": self.calls}
         content, self.calls = parse_tool_calls(text, self.tools.names)
-        return {"content": content or None, "tool_calls": self.calls} if self.calls else {
-            "content": content}
+        if not self.calls:
+            return {"content": content}
+        return {"content": content or None, "tool_calls": self.calls}
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if self.calls and reason == "stop" else reason

@@ -4706,11 +4706,10 @@ THINKING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}", "{% else %}
                                            "{% endif %}")  # Qwen3's with thinking on: it opens the block
 
 
-def script(server, monkeypatch, text: str) -> list[int]:
-    """From now on the model writes the tokens of `text`, then end-of-turn: its logits are 100 for the
-    script's next token, 50 for end-of-turn, 0 elsewhere. A grammar that forbids the script's token
-    gets end-of-turn if it allows it, else its lowest allowed token."""
-    engine = server.engine
+def script(engine, monkeypatch, text: str) -> list[int]:
+    """From now on the engine's model writes the tokens of `text`, then end-of-turn: its logits are 100
+    for the script's next token, 50 for end-of-turn, 0 elsewhere. A grammar that forbids the script's
+    token gets end-of-turn if it allows it, else its lowest allowed token."""
     ids = engine.tokenizer.encode(text)
     end = engine.tokenizer.tk.token_to_id("<|im_end|>")
     run, sampled = engine.run, []
@@ -4825,7 +4824,7 @@ TOOL_RULES = [  # (rule and source, body, script, max_tokens: the prefix it cuts
                          ids=[f"tool_rule{i}" for i in range(len(TOOL_RULES))])
 def test_tool_rules(tool_server, monkeypatch, rule, body, text, cut, content, calls, finish):
     """The tool rules of the table: content, calls and finish_reason, whole and streamed."""
-    ids = script(tool_server, monkeypatch, text)
+    ids = script(tool_server.engine, monkeypatch, text)
     max_tokens = cut_at(tool_server, ids, cut) if cut else 200
     body = {"messages": HELLO, "tools": [CITY, CLOCK], "max_tokens": max_tokens, **body}
     expected = {"content": content, "reasoning": None, "calls": calls, "finish": finish}
@@ -4860,7 +4859,7 @@ FORMAT_RULES = [  # (rule, response_format and more, script, max_tokens cut, con
                          ids=[f"format_rule{i}" for i in range(len(FORMAT_RULES))])
 def test_response_format_rules(server, monkeypatch, rule, body, text, cut, content, finish):
     """The response_format rules of the table: the content and finish_reason, whole and streamed."""
-    ids = script(server, monkeypatch, text)
+    ids = script(server.engine, monkeypatch, text)
     max_tokens = cut_at(server, ids, cut) if cut else 100
     expected = {"content": content, "reasoning": None, "calls": [], "finish": finish}
     answers = both_ways(server, {"messages": HELLO, "max_tokens": max_tokens, **body})
@@ -4892,7 +4891,7 @@ def test_reasoning_rules(thinking_server, monkeypatch, rule, template, body, tex
     here): reasoning_content, content, calls and finish_reason, whole and streamed. The user's
     message is longer than the prompt's tail that the parser reads."""
     monkeypatch.setattr(thinking_server.engine.tokenizer, "chat_template", template)
-    ids = script(thinking_server, monkeypatch, text)
+    ids = script(thinking_server.engine, monkeypatch, text)
     max_tokens = cut_at(thinking_server, ids, cut) if cut else 100
     long_ask = [{"role": "user", "content": "hello world, " * 12}]
     answers = both_ways(thinking_server, {"messages": long_ask, "max_tokens": max_tokens, **body})
@@ -4904,7 +4903,7 @@ def test_reasoning_markers_split_across_deltas(server, monkeypatch):
     """A tokenizer without think tokens: each marker arrives in several tokens, so in several deltas
     of the stream; none of it leaks into either part (vLLM's parser reads text, as this one)."""
     monkeypatch.setattr(server, "reasoning_parser", "qwen3")
-    ids = script(server, monkeypatch, "<think>the fox</think>hello")
+    ids = script(server.engine, monkeypatch, "<think>the fox</think>hello")
     assert len(server.engine.tokenizer.encode("</think>")) > 2
     expected = {"content": "hello", "reasoning": "the fox", "calls": [], "finish": "stop"}
     assert both_ways(server, {"messages": HELLO, "max_tokens": len(ids) + 1}) == [expected] * 2
@@ -4914,7 +4913,20 @@ def test_completions_keep_the_thinking_in_text_with_a_reasoning_parser(thinking_
     """/v1/completions has no reasoning_content: vLLM splits the reasoning of chat completions only,
     so the text is the whole output, think block and all."""
     text = "<think>\nthe fox\n</think>\n\nhello"
-    script(thinking_server, monkeypatch, text)
+    script(thinking_server.engine, monkeypatch, text)
     expected = {"content": text, "reasoning": None, "calls": [], "finish": "stop"}
     body = {"prompt": "hello world", "max_tokens": 100}
     assert both_ways(thinking_server, body, "/v1/completions") == [expected] * 2
+
+
+def test_each_row_of_a_mixed_batch_gets_its_own_grammar(ckpt, monkeypatch):
+    """A json_schema request, a free one and a json_object one step together: each constrained row
+    gets its own grammar's mask (apply_bitmasks' gather and scatter), the free row none."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
+    script(llm.engine, monkeypatch, '{"ok": true, "why": 1} and more')
+    params = [SamplingParams(temperature=0, max_tokens=40, json_schema=schema)
+              for schema in (OK_SCHEMA, None, {"type": "object"})]
+    outs = llm.generate(["hello world"] * 3, params)
+    assert [o.text for o in outs] == ['{"ok": true}', '{"ok": true, "why": 1} and more',
+                                      '{"ok": true, "why": 1}']
+    assert [o.finish_reason for o in outs] == ["stop"] * 3

@@ -4688,10 +4688,10 @@ def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch,
 
 # ------------------------------------------------ issue 42: the rules clients rely on, by the spec
 # Each row is a rule of the OpenAI API (vLLM's where OpenAI says nothing) with its answer written by
-# hand. A scripted model writes the row's text: logits that pick the script's next token, so that the
-# sampler, the grammar, stop strings, max_tokens, the tool and reasoning parsers and the stream are
-# the engine's own. Each runs whole and streamed; the stream, assembled as the openai SDK assembles
-# it, must give the same answer.
+# hand. A scripted model writes the row's text: logits that pick the script's next token, so that
+# the sampler, the grammar, stop strings, max_tokens, the tool and reasoning parsers and the stream
+# are the engine's own. Each runs whole and streamed; the stream, assembled as the openai SDK
+# assembles it, must give the same answer.
 
 CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
@@ -4702,14 +4702,15 @@ PARIS = '{"name": "weather", "arguments": {"city": "Paris"}}'
 NOON = '{"name": "clock", "arguments": {}}'
 W, C = f"<tool_call>{PARIS}</tool_call>", f"<tool_call>{NOON}</tool_call>"
 W_CALL, C_CALL = ("weather", '{"city": "Paris"}'), ("clock", "{}")
-THINKING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}", "{% else %}<think>\n{% endif %}"
-                                           "{% endif %}")  # Qwen3's with thinking on: it opens the block
+# Qwen3's with thinking on: the template opens the block
+THINKING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}",
+                                           "{% else %}<think>\n{% endif %}{% endif %}")
 
 
 def script(engine, monkeypatch, text: str) -> list[int]:
-    """From now on the engine's model writes the tokens of `text`, then end-of-turn: its logits are 100
-    for the script's next token, 50 for end-of-turn, 0 elsewhere. A grammar that forbids the script's
-    token gets end-of-turn if it allows it, else its lowest allowed token."""
+    """From now on the engine's model writes the tokens of `text`, then end-of-turn: its logits
+    are 100 for the script's next token, 50 for end-of-turn, 0 elsewhere. A grammar that forbids
+    the script's token gets end-of-turn if it allows it, else its lowest allowed token."""
     ids = engine.tokenizer.encode(text)
     end = engine.tokenizer.tk.token_to_id("<|im_end|>")
     run, sampled = engine.run, []
@@ -4754,7 +4755,8 @@ def both_ways(server, body: dict, path: str = CHAT) -> list[dict]:
     content, streamed = assembled(deltas)
     reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     assert all(c["id"] and c["name"] for c in streamed)
-    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == [chunks[-1]["finish_reason"]]
+    finishes = [c["finish_reason"] for c in chunks if c["finish_reason"]]
+    assert finishes == [chunks[-1]["finish_reason"]]
     answers.append({"content": content or None, "reasoning": reasoning or None,
                     "calls": [(c["name"], c["arguments"]) for c in streamed],
                     "finish": chunks[-1]["finish_reason"]})
@@ -4774,7 +4776,8 @@ def tool_server(server, monkeypatch):
 
 
 NAMED = {"type": "function", "function": {"name": "weather"}}
-TOOL_RULES = [  # (rule and source, body, script, max_tokens: the prefix it cuts at, content, calls, finish)
+# (rule and source, body, script, max_tokens: the prefix it cuts at, content, calls, finish)
+TOOL_RULES = [
     ("auto: text before, between and after the calls is content (tools.py, as written);"
      " parallel_tool_calls defaults to true: both calls (OpenAI)",
      {}, f"Let me see.{W} and {C} Done.", None, "Let me see. and  Done.", [W_CALL, C_CALL],
@@ -4789,8 +4792,8 @@ TOOL_RULES = [  # (rule and source, body, script, max_tokens: the prefix it cuts
     ("auto: max_tokens inside a call leaves text, finish length (OpenAI)",
      {}, W, '<tool_call>{"name": "weather", "arguments": {"city": "',
      '<tool_call>{"name": "weather", "arguments": {"city": "', [], "length"),
-    ("auto: max_tokens after a call's JSON, before its end tag: the call, but finish length (OpenAI:"
-     " length whenever max_tokens was reached)",
+    ("auto: max_tokens after a call's JSON, before its end tag: the call, but finish length"
+     " (OpenAI: length whenever max_tokens was reached)",
      {}, C, f"<tool_call>{NOON}", None, [C_CALL], "length"),
     ("auto: max_tokens inside a second call: no call is half made, all text (vLLM's parsers)",
      {}, W + C, W + '<tool_call>{"name": "', W + '<tool_call>{"name": "', [], "length"),
@@ -4806,6 +4809,9 @@ TOOL_RULES = [  # (rule and source, body, script, max_tokens: the prefix it cuts
     ("required: at least one call, even from a model that wants none (OpenAI)",
      {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False}, "[]", None, None,
      [C_CALL], "tool_calls"),
+    ("required: the grammar completes a call that lacks its arguments",
+     {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False},
+     '[{"name": "clock"}]', None, None, [C_CALL], "tool_calls"),
     ("required: max_tokens before the array closes: text, length",
      {"tool_choice": "required"}, f"[{NOON}]", f"[{NOON}", f"[{NOON}", [], "length"),
     ("named: that function's call, content null", {"tool_choice": NAMED}, '{"city": "Paris"}', None,
@@ -4833,7 +4839,9 @@ def test_tool_rules(tool_server, monkeypatch, rule, body, text, cut, content, ca
 
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "additionalProperties": False}
-FORMAT_RULES = [  # (rule, response_format and more, script, max_tokens cut, content, finish)
+OK_FORMAT = {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}
+# (rule, response_format and more, script, max_tokens cut, content, finish)
+FORMAT_RULES = [
     ("absent: free text", {}, 'Hi {"a": 1', None, 'Hi {"a": 1', "stop"),
     ("text: free text (OpenAI)", {"response_format": {"type": "text"}}, 'Hi {"a": 1', None,
      'Hi {"a": 1', "stop"),
@@ -4841,13 +4849,13 @@ FORMAT_RULES = [  # (rule, response_format and more, script, max_tokens cut, con
      {"response_format": {"type": "json_object"}}, '{"a": [1, 2]} and more', None, '{"a": [1, 2]}',
      "stop"),
     ("json_schema: only what the schema allows (OpenAI)",
-     {"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}},
+     {"response_format": OK_FORMAT},
      '{"ok": true, "why": "sun"}', None, '{"ok": true}', "stop"),
     ("json_schema, strict: the same (OpenAI)", {"response_format": {"type": "json_schema",
      "json_schema": {"name": "ok", "strict": True, "schema": OK_SCHEMA}}}, '{"ok": true, "why": 1}',
      None, '{"ok": true}', "stop"),
     ("json_schema: max_tokens cuts the JSON: length (OpenAI)",
-     {"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}},
+     {"response_format": OK_FORMAT},
      '{"ok": true}', '{"ok": ', '{"ok": ', "length"),
     ("json_object: a stop string cuts the JSON: stop (docs/structured-outputs.md)",
      {"response_format": {"type": "json_object"}, "stop": ["]"]}, '{"a": [1, 2]}', None,
@@ -4866,13 +4874,16 @@ def test_response_format_rules(server, monkeypatch, rule, body, text, cut, conte
     assert answers == [expected, expected], rule
 
 
-REASONING_RULES = [  # (rule, template, body, script, max_tokens cut, reasoning, content, calls, finish)
+# (rule, template, body, script, max_tokens cut, reasoning, content, calls, finish)
+REASONING_RULES = [
     ("thinking on: the output opens the block (vLLM's qwen3 parser)", QWEN3_TEMPLATE, {},
      "<think>\nthe fox\n</think>\n\nhello", None, "\nthe fox\n", "\n\nhello", [], "stop"),
     ("thinking on: the template opens the block; the parser reads the prompt's end",
-     THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", None, "the fox\n", "\n\nhello", [], "stop"),
+     THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", None, "the fox\n", "\n\nhello", [],
+     "stop"),
     ("thinking off: an empty block closed in the prompt, all content (vLLM)", QWEN3_TEMPLATE,
-     {"chat_template_kwargs": {"enable_thinking": False}}, "hello", None, None, "hello", [], "stop"),
+     {"chat_template_kwargs": {"enable_thinking": False}}, "hello", None, None, "hello", [],
+     "stop"),
     ("max_tokens cuts inside the thinking the template opened: reasoning, no content, length",
      THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", "the fox", "the fox", None, [], "length"),
     ("a call written inside the thinking is reasoning, not a call (vLLM parses content only)",
@@ -4883,7 +4894,8 @@ REASONING_RULES = [  # (rule, template, body, script, max_tokens cut, reasoning,
 ]
 
 
-@pytest.mark.parametrize("rule,template,body,text,cut,reasoning,content,calls,finish", REASONING_RULES,
+@pytest.mark.parametrize("rule,template,body,text,cut,reasoning,content,calls,finish",
+                         REASONING_RULES,
                          ids=[f"reasoning_rule{i}" for i in range(len(REASONING_RULES))])
 def test_reasoning_rules(thinking_server, monkeypatch, rule, template, body, text, cut, reasoning,
                          content, calls, finish):
@@ -4909,7 +4921,8 @@ def test_reasoning_markers_split_across_deltas(server, monkeypatch):
     assert both_ways(server, {"messages": HELLO, "max_tokens": len(ids) + 1}) == [expected] * 2
 
 
-def test_completions_keep_the_thinking_in_text_with_a_reasoning_parser(thinking_server, monkeypatch):
+def test_completions_keep_the_thinking_in_text_with_a_reasoning_parser(thinking_server,
+                                                                      monkeypatch):
     """/v1/completions has no reasoning_content: vLLM splits the reasoning of chat completions only,
     so the text is the whole output, think block and all."""
     text = "<think>\nthe fox\n</think>\n\nhello"
@@ -4930,3 +4943,27 @@ def test_each_row_of_a_mixed_batch_gets_its_own_grammar(ckpt, monkeypatch):
     assert [o.text for o in outs] == ['{"ok": true}', '{"ok": true, "why": 1} and more',
                                       '{"ok": true, "why": 1}']
     assert [o.finish_reason for o in outs] == ["stop"] * 3
+
+
+def test_json_is_compact_whatever_whitespace_the_model_wants(server, monkeypatch):
+    """A model that pads its JSON with newlines gets none: the output is written as json.dumps
+    writes it (docs/structured-outputs.md), so that a small model cannot emit whitespace forever."""
+    script(server.engine, monkeypatch, '{\n  "ok": true\n}')
+    body = {"messages": HELLO, "max_tokens": 30, "response_format": OK_FORMAT}
+    for answer in both_ways(server, body):
+        value = json.loads(answer["content"])
+        assert answer["content"] == json.dumps(value) and answer["finish"] == "stop"
+        jsonschema.validate(value, OK_SCHEMA)
+
+
+def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
+    """OpenAI: a function's name is a-z, A-Z, 0-9, underscores and dashes, 64 characters at most."""
+    script(tool_server.engine, monkeypatch, "{}")
+    for name, status in [("a-Z_9" * 12 + "abcd", 200), ("a" * 65, 400), ("get.time", 400)]:
+        tool = {"type": "function", "function": {"name": name}}
+        body = {"messages": HELLO, "tools": [tool], "max_tokens": 8,
+                "tool_choice": {"type": "function", "function": {"name": name}}}
+        got, _, answer = call(tool_server, "POST", CHAT, body)
+        assert got == status, (name, answer)
+        if status == 200:
+            assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name

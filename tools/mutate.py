@@ -6,6 +6,11 @@ should catch it (`pytest -k`), not the whole suite, so that a round takes minute
 
     nice -n 19 python tools/mutate.py     # every mutant; -k WORD,WORD: those whose name has one
 
+A bug planted by hand in a module is confirmed caught, or not, by that module's fast subset of the
+suite (its mutants' tests and the tests in SUBSETS), run on the repository as it is, in minutes:
+
+    nice -n 19 python tools/mutate.py --subset nanoflow/tools.py
+
 A mutant is killed when its tests fail (or time out). Before the mutants, the same tests run once
 on the unmutated copy: they must pass, or a kill would mean nothing. Each mutant is a bug a user
 would notice (wrong tokens, a reader kept waiting, a wrong number or field): none is equivalent.
@@ -263,6 +268,27 @@ MUTANTS = [
       "simulated_eviction or one_direction_queue"),
 ]
 
+# the tests that exercise the newest modules beyond their mutants' (pytest -k)
+SUBSETS = {
+    "nanoflow/tools.py": "tool",
+    "nanoflow/grammar.py": "format_rule or tool_rule or mixed_batch or bad_structured or compact",
+    "nanoflow/reasoning.py": "reasoning or thinking",
+    "nanoflow/dist.py": "tensor_parallel",
+    "nanoflow/fleet.py": "fleet",
+    "nanoflow/swap.py": "swap or host or lanes or load or demotion or evict or forced_preemption",
+    "nanoflow/sched.py": "tokenflow or by_hand or fcfs or preempt",
+}
+
+
+def subset(file: str) -> str:
+    """The -k expression of a module's fast subset: its mutants' tests and its SUBSETS entry."""
+    tests = {m.tests for m in MUTANTS if m.file == file}
+    if file in SUBSETS:
+        tests.add(SUBSETS[file])
+    if not tests:
+        raise SystemExit(f"no mutant and no SUBSETS entry names {file}")
+    return " or ".join(f"({t})" for t in sorted(tests))
+
 
 def run_tests(copy: Path, tests: str) -> tuple[bool, float]:
     """(passed, seconds) of `pytest -k tests` in the copy (a timeout counts as a failure)."""
@@ -291,7 +317,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-k", default="", help="only the mutants whose name contains one of "
                         "these comma-separated words")
+    parser.add_argument("--subset", metavar="FILE", help="run only FILE's fast subset of the "
+                        "tests, on the repository itself (e.g. nanoflow/tools.py)")
     args = parser.parse_args()
+    if args.subset:
+        cmd = [sys.executable, "-m", "pytest", "-q", "test_all.py", "-k", subset(args.subset)]
+        raise SystemExit(subprocess.run(cmd, cwd=ROOT).returncode)
     chosen = [m for m in MUTANTS if any(word in m.name for word in args.k.split(","))]
     with tempfile.TemporaryDirectory(prefix="nanoflow-mutants-") as tmp:
         copy = Path(tmp)

@@ -3775,7 +3775,7 @@ def test_tool_call_parsers_on_fixed_texts():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
     content, found = parse_tool_calls(text, names)
-    assert content == "Let me check." and calls(text) == [paris, ("get_time", {"zone": "CET"})]
+    assert content == "Let me check.\n\n" and calls(text) == [paris, ("get_time", {"zone": "CET"})]
     assert len({c["id"] for c in found}) == 2
     assert calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}') == [paris]  # unclosed at EOS
     # malformed, unknown or argument-less calls stay content, whole
@@ -5025,3 +5025,286 @@ def test_sdk_errors_and_x_api_key(server, monkeypatch):
     assert e.value.body["error"]["type"] == "authentication_error"
     status, _, err = call(server, "POST", "/v1/responses", {"input": "hi"}, {"x-api-key": "sesame"})
     assert status == 200 and err["object"] == "response"
+
+
+# ------------------------------------------------ issue 42: the rules clients rely on, by the spec
+# Each row is a rule of the OpenAI API (vLLM's where OpenAI says nothing) with its answer written by
+# hand. A scripted model writes the row's text: logits that pick the script's next token, so that
+# the sampler, the grammar, stop strings, max_tokens, the tool and reasoning parsers and the stream
+# are the engine's own. Each runs whole and streamed; the stream, assembled as the openai SDK
+# assembles it, must give the same answer.
+
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+CITY = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+PARIS = '{"name": "weather", "arguments": {"city": "Paris"}}'
+NOON = '{"name": "clock", "arguments": {}}'
+W, C = f"<tool_call>{PARIS}</tool_call>", f"<tool_call>{NOON}</tool_call>"
+W_CALL, C_CALL = ("weather", '{"city": "Paris"}'), ("clock", "{}")
+# Qwen3's with thinking on: the template opens the block
+THINKING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}",
+                                           "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def script(engine, monkeypatch, text: str) -> list[int]:
+    """From now on the engine's model writes the tokens of `text`, then end-of-turn: its logits
+    are 100 for the script's next token, 50 for end-of-turn, 0 elsewhere. A grammar that forbids
+    the script's token gets end-of-turn if it allows it, else its lowest allowed token."""
+    ids = engine.tokenizer.encode(text)
+    end = engine.tokenizer.tk.token_to_id("<|im_end|>")
+    run, sampled = engine.run, []
+
+    def model(input_ids, positions, kv_caches, meta, logits_indices):
+        logits = torch.zeros(len(logits_indices), engine.config.vocab_size)
+        logits[:, end] = 50.0
+        for row, req in enumerate(sampled[-1]):
+            if req.num_output_tokens < len(ids):
+                logits[row, ids[req.num_output_tokens]] = 100.0
+        return logits
+
+    monkeypatch.setattr(engine, "model", model)
+    monkeypatch.setattr(engine, "run", lambda batch: (sampled.append(batch.sampled), run(batch))[1])
+    return ids
+
+
+def cut_at(server, ids: list[int], prefix: str) -> int:
+    """The number of the script's tokens that spell `prefix` (a max_tokens that cuts there)."""
+    decode = server.engine.tokenizer.decode
+    return next(k for k in range(len(ids) + 1) if decode(ids[:k]) == prefix)
+
+
+def both_ways(server, body: dict, path: str = CHAT) -> list[dict]:
+    """The answer, whole and streamed, each as {content, reasoning, calls: [(name, arguments)],
+    finish}: the message's fields (the choice's text for /v1/completions) and the stream's deltas
+    joined, calls merged by index as the openai SDK merges them."""
+    body = {"temperature": 0, **body}
+    status, _, whole = call(server, "POST", path, body)
+    assert status == 200, whole
+    choice = whole["choices"][0]
+    message = choice.get("message", {"content": choice.get("text")})
+    calls = message.get("tool_calls") or []
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+    answers = [{"content": message["content"], "reasoning": message.get("reasoning_content"),
+                "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+                "finish": choice["finish_reason"]}]
+    _, resp = open_stream(server, path, body)
+    chunks = [c["choices"][0] for _, c in sse(resp) if c != "[DONE]"]
+    deltas = [c.get("delta", {"content": c.get("text")}) for c in chunks]
+    content, streamed = assembled(deltas)
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    assert all(c["id"] and c["name"] for c in streamed)
+    finishes = [c["finish_reason"] for c in chunks if c["finish_reason"]]
+    assert finishes == [chunks[-1]["finish_reason"]]
+    answers.append({"content": content or None, "reasoning": reasoning or None,
+                    "calls": [(c["name"], c["arguments"]) for c in streamed],
+                    "finish": chunks[-1]["finish_reason"]})
+    return answers
+
+
+# a template that shows tools, short enough to leave room for the answers in the tiny context
+NAMES_TEMPLATE = ("{% if tools %}Call {% for t in tools %}{{ t.function.name }} {% endfor %}as "
+                  "<tool_call>{...}</tool_call>\n{% endif %}" + CHAT_TEMPLATE)
+
+
+@pytest.fixture
+def tool_server(server, monkeypatch):
+    """The tiny server with a template that shows tools (the model may call them by itself)."""
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", NAMES_TEMPLATE)
+    return server
+
+
+NAMED = {"type": "function", "function": {"name": "weather"}}
+# (rule and source, body, script, max_tokens: the prefix it cuts at, content, calls, finish)
+TOOL_RULES = [
+    ("auto: text before, between and after the calls is content (tools.py, as written);"
+     " parallel_tool_calls defaults to true: both calls (OpenAI)",
+     {}, f"Let me see.{W} and {C} Done.", None, "Let me see. and  Done.", [W_CALL, C_CALL],
+     "tool_calls"),
+    ("auto, parallel_tool_calls false: the first call only (OpenAI; vLLM drops the others)",
+     {"parallel_tool_calls": False}, f"Let me see.{W} and {C} Done.", None,
+     "Let me see. and  Done.", [W_CALL], "tool_calls"),
+    ("auto, parallel_tool_calls true: content null beside calls (OpenAI)",
+     {"parallel_tool_calls": True}, f"{W}\n{C}", None, None, [W_CALL, C_CALL], "tool_calls"),
+    ("auto: no call, plain content, stop (OpenAI)", {}, "It is sunny.", None, "It is sunny.", [],
+     "stop"),
+    ("auto: max_tokens inside a call leaves text, finish length (OpenAI)",
+     {}, W, '<tool_call>{"name": "weather", "arguments": {"city": "',
+     '<tool_call>{"name": "weather", "arguments": {"city": "', [], "length"),
+    ("auto: max_tokens after a call's JSON, before its end tag: the call, but finish length"
+     " (OpenAI: length whenever max_tokens was reached)",
+     {}, C, f"<tool_call>{NOON}", None, [C_CALL], "length"),
+    ("auto: max_tokens inside a second call: no call is half made, all text (vLLM's parsers)",
+     {}, W + C, W + '<tool_call>{"name": "', W + '<tool_call>{"name": "', [], "length"),
+    ("auto: a stop string at the end tag ends a complete call: tool_calls (vLLM)",
+     {"stop": ["</tool_call>"]}, f"Sure.{W}", None, "Sure.", [W_CALL], "tool_calls"),
+    ("auto: a stop string inside the call: text, stop (OpenAI)", {"stop": ["Paris"]}, W, None,
+     '<tool_call>{"name": "weather", "arguments": {"city": "', [], "stop"),
+    ("required: several calls (parallel_tool_calls true by default)", {"tool_choice": "required"},
+     f"[{PARIS}, {NOON}]", None, None, [W_CALL, C_CALL], "tool_calls"),
+    ("required, parallel_tool_calls false: the grammar allows one call",
+     {"tool_choice": "required", "parallel_tool_calls": False}, f"[{PARIS}, {NOON}]", None, None,
+     [W_CALL], "tool_calls"),
+    ("required: at least one call, even from a model that wants none (OpenAI)",
+     {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False}, "[]", None, None,
+     [C_CALL], "tool_calls"),
+    ("required: the grammar completes a call that lacks its arguments",
+     {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False},
+     '[{"name": "clock"}]', None, None, [C_CALL], "tool_calls"),
+    ("required: max_tokens before the array closes: text, length",
+     {"tool_choice": "required"}, f"[{NOON}]", f"[{NOON}", f"[{NOON}", [], "length"),
+    ("named: that function's call, content null", {"tool_choice": NAMED}, '{"city": "Paris"}', None,
+     None, [W_CALL], "tool_calls"),
+    ("named: max_tokens cuts the arguments: finish length (OpenAI)", {"tool_choice": NAMED},
+     '{"city": "Paris"}', '{"city": "', None, [("weather", '{"city": "')], "length"),
+    ("named: a stop string cuts the arguments: finish stop, not tool_calls (OpenAI)",
+     {"tool_choice": NAMED, "stop": ["Paris"]}, '{"city": "Paris"}', None, None,
+     [("weather", '{"city": "')], "stop"),
+    ("none: the model's call text is content, no call (OpenAI)", {"tool_choice": "none"}, C, None,
+     C, [], "stop"),
+]
+
+
+@pytest.mark.parametrize("rule,body,text,cut,content,calls,finish", TOOL_RULES,
+                         ids=[f"tool_rule{i}" for i in range(len(TOOL_RULES))])
+def test_tool_rules(tool_server, monkeypatch, rule, body, text, cut, content, calls, finish):
+    """The tool rules of the table: content, calls and finish_reason, whole and streamed."""
+    ids = script(tool_server.engine, monkeypatch, text)
+    max_tokens = cut_at(tool_server, ids, cut) if cut else 200
+    body = {"messages": HELLO, "tools": [CITY, CLOCK], "max_tokens": max_tokens, **body}
+    expected = {"content": content, "reasoning": None, "calls": calls, "finish": finish}
+    assert both_ways(tool_server, body) == [expected, expected], rule
+
+
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+OK_FORMAT = {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}
+# (rule, response_format and more, script, max_tokens cut, content, finish)
+FORMAT_RULES = [
+    ("absent: free text", {}, 'Hi {"a": 1', None, 'Hi {"a": 1', "stop"),
+    ("text: free text (OpenAI)", {"response_format": {"type": "text"}}, 'Hi {"a": 1', None,
+     'Hi {"a": 1', "stop"),
+    ("json_object: one JSON object, nothing after it (OpenAI)",
+     {"response_format": {"type": "json_object"}}, '{"a": [1, 2]} and more', None, '{"a": [1, 2]}',
+     "stop"),
+    ("json_schema: only what the schema allows (OpenAI)",
+     {"response_format": OK_FORMAT},
+     '{"ok": true, "why": "sun"}', None, '{"ok": true}', "stop"),
+    ("json_schema, strict: the same (OpenAI)", {"response_format": {"type": "json_schema",
+     "json_schema": {"name": "ok", "strict": True, "schema": OK_SCHEMA}}}, '{"ok": true, "why": 1}',
+     None, '{"ok": true}', "stop"),
+    ("json_schema: max_tokens cuts the JSON: length (OpenAI)",
+     {"response_format": OK_FORMAT},
+     '{"ok": true}', '{"ok": ', '{"ok": ', "length"),
+    ("json_object: a stop string cuts the JSON: stop (docs/structured-outputs.md)",
+     {"response_format": {"type": "json_object"}, "stop": ["]"]}, '{"a": [1, 2]}', None,
+     '{"a": [1, 2', "stop"),
+]
+
+
+@pytest.mark.parametrize("rule,body,text,cut,content,finish", FORMAT_RULES,
+                         ids=[f"format_rule{i}" for i in range(len(FORMAT_RULES))])
+def test_response_format_rules(server, monkeypatch, rule, body, text, cut, content, finish):
+    """The response_format rules of the table: the content and finish_reason, whole and streamed."""
+    ids = script(server.engine, monkeypatch, text)
+    max_tokens = cut_at(server, ids, cut) if cut else 100
+    expected = {"content": content, "reasoning": None, "calls": [], "finish": finish}
+    answers = both_ways(server, {"messages": HELLO, "max_tokens": max_tokens, **body})
+    assert answers == [expected, expected], rule
+
+
+# (rule, template, body, script, max_tokens cut, reasoning, content, calls, finish)
+REASONING_RULES = [
+    ("thinking on: the output opens the block (vLLM's qwen3 parser)", QWEN3_TEMPLATE, {},
+     "<think>\nthe fox\n</think>\n\nhello", None, "\nthe fox\n", "\n\nhello", [], "stop"),
+    ("thinking on: the template opens the block; the parser reads the prompt's end",
+     THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", None, "the fox\n", "\n\nhello", [],
+     "stop"),
+    ("thinking off: an empty block closed in the prompt, all content (vLLM)", QWEN3_TEMPLATE,
+     {"chat_template_kwargs": {"enable_thinking": False}}, "hello", None, None, "hello", [],
+     "stop"),
+    ("max_tokens cuts inside the thinking the template opened: reasoning, no content, length",
+     THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", "the fox", "the fox", None, [], "length"),
+    ("a call written inside the thinking is reasoning, not a call (vLLM parses content only)",
+     NAMES_TEMPLATE, {"tools": [CLOCK]}, f"<think>{C}</think>It is noon.", None, C, "It is noon.",
+     [], "stop"),
+    ("a call after the thinking is a call", NAMES_TEMPLATE, {"tools": [CLOCK]},
+     f"<think>now?</think>{C}", None, "now?", None, [C_CALL], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("rule,template,body,text,cut,reasoning,content,calls,finish",
+                         REASONING_RULES,
+                         ids=[f"reasoning_rule{i}" for i in range(len(REASONING_RULES))])
+def test_reasoning_rules(thinking_server, monkeypatch, rule, template, body, text, cut, reasoning,
+                         content, calls, finish):
+    """The reasoning rules of the table (--reasoning-parser qwen3, whose markers are one token each
+    here): reasoning_content, content, calls and finish_reason, whole and streamed. The user's
+    message is longer than the prompt's tail that the parser reads."""
+    monkeypatch.setattr(thinking_server.engine.tokenizer, "chat_template", template)
+    ids = script(thinking_server.engine, monkeypatch, text)
+    max_tokens = cut_at(thinking_server, ids, cut) if cut else 100
+    long_ask = [{"role": "user", "content": "hello world, " * 12}]
+    answers = both_ways(thinking_server, {"messages": long_ask, "max_tokens": max_tokens, **body})
+    expected = {"content": content, "reasoning": reasoning, "calls": calls, "finish": finish}
+    assert answers == [expected, expected], rule
+
+
+def test_reasoning_markers_split_across_deltas(server, monkeypatch):
+    """A tokenizer without think tokens: each marker arrives in several tokens, so in several deltas
+    of the stream; none of it leaks into either part (vLLM's parser reads text, as this one)."""
+    monkeypatch.setattr(server, "reasoning_parser", "qwen3")
+    ids = script(server.engine, monkeypatch, "<think>the fox</think>hello")
+    assert len(server.engine.tokenizer.encode("</think>")) > 2
+    expected = {"content": "hello", "reasoning": "the fox", "calls": [], "finish": "stop"}
+    assert both_ways(server, {"messages": HELLO, "max_tokens": len(ids) + 1}) == [expected] * 2
+
+
+def test_completions_keep_the_thinking_in_text_with_a_reasoning_parser(thinking_server,
+                                                                      monkeypatch):
+    """/v1/completions has no reasoning_content: vLLM splits the reasoning of chat completions only,
+    so the text is the whole output, think block and all."""
+    text = "<think>\nthe fox\n</think>\n\nhello"
+    script(thinking_server.engine, monkeypatch, text)
+    expected = {"content": text, "reasoning": None, "calls": [], "finish": "stop"}
+    body = {"prompt": "hello world", "max_tokens": 100}
+    assert both_ways(thinking_server, body, "/v1/completions") == [expected] * 2
+
+
+def test_each_row_of_a_mixed_batch_gets_its_own_grammar(ckpt, monkeypatch):
+    """A json_schema request, a free one and a json_object one step together: each constrained row
+    gets its own grammar's mask (apply_bitmasks' gather and scatter), the free row none."""
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
+    script(llm.engine, monkeypatch, '{"ok": true, "why": 1} and more')
+    params = [SamplingParams(temperature=0, max_tokens=40, json_schema=schema)
+              for schema in (OK_SCHEMA, None, {"type": "object"})]
+    outs = llm.generate(["hello world"] * 3, params)
+    assert [o.text for o in outs] == ['{"ok": true}', '{"ok": true, "why": 1} and more',
+                                      '{"ok": true, "why": 1}']
+    assert [o.finish_reason for o in outs] == ["stop"] * 3
+
+
+def test_json_is_compact_whatever_whitespace_the_model_wants(server, monkeypatch):
+    """A model that pads its JSON with newlines gets none: the output is written as json.dumps
+    writes it (docs/structured-outputs.md), so that a small model cannot emit whitespace forever."""
+    script(server.engine, monkeypatch, '{\n  "ok": true\n}')
+    body = {"messages": HELLO, "max_tokens": 30, "response_format": OK_FORMAT}
+    for answer in both_ways(server, body):
+        value = json.loads(answer["content"])
+        assert answer["content"] == json.dumps(value) and answer["finish"] == "stop"
+        jsonschema.validate(value, OK_SCHEMA)
+
+
+def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
+    """OpenAI: a function's name is a-z, A-Z, 0-9, underscores and dashes, 64 characters at most."""
+    script(tool_server.engine, monkeypatch, "{}")
+    for name, status in [("a-Z_9" * 12 + "abcd", 200), ("a" * 65, 400), ("get.time", 400)]:
+        tool = {"type": "function", "function": {"name": name}}
+        body = {"messages": HELLO, "tools": [tool], "max_tokens": 8,
+                "tool_choice": {"type": "function", "function": {"name": name}}}
+        got, _, answer = call(tool_server, "POST", CHAT, body)
+        assert got == status, (name, answer)
+        if status == 200:
+            assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name

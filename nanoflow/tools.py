@@ -131,11 +131,11 @@ def _message_call(i: int, j: int, call) -> dict:
 
 
 def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
-    """(content, OpenAI tool_calls) of a model's answer; ("the text", []) unless every call found
-    is a valid call of an offered function."""
+    """(content, OpenAI tool_calls) of a model's answer, the content being the text around the calls
+    as it is; ("the text", []) unless every call found is a valid call of an offered function."""
     if CALL_START in text:
         pieces = CALL_BLOCK.split(text)
-        content, blocks = "".join(pieces[::2]).strip(), pieces[1::2]
+        content, blocks = "".join(pieces[::2]), pieces[1::2]
     else:
         bare = text.strip().removeprefix(PYTHON_TAG)
         content, blocks = "", (_bare_json(bare) if bare.startswith(("{", "[")) else None)
@@ -214,8 +214,8 @@ class ToolCallStream:
         """The held text's deltas: each call's id and name, then its arguments; or the content."""
         if self.tools.choice not in ("auto", "required"):
             return []
-        content, self.calls = parse_tool_calls(self.text[self.sent:], self.tools.names)
-        deltas = [{"content": content}] if content else []
+        content = self._parse(self.text[self.sent:])
+        deltas = [{"content": content}] if content.strip() else []
         for i, c in enumerate(self.calls):
             head = {"index": i, **c, "function": {"name": c["function"]["name"], "arguments": ""}}
             arguments = {"index": i, "function": {"arguments": c["function"]["arguments"]}}
@@ -225,12 +225,30 @@ class ToolCallStream:
     def message(self, text: str) -> dict:
         """The whole answer's content and tool_calls (OpenAI's content is null beside calls)."""
         if self.tools.choice not in ("auto", "required"):
-            self.calls = [new_call(self.tools.choice, text)]
+            self.text, self.calls = text, [new_call(self.tools.choice, text)]
             return {"content": None, "tool_calls": self.calls}
-        content, self.calls = parse_tool_calls(text, self.tools.names)
+        content = self._parse(text)
         if not self.calls:
             return {"content": content}
-        return {"content": content or None, "tool_calls": self.calls}
+        return {"content": content.strip() or None, "tool_calls": self.calls}
+
+    def _parse(self, text: str) -> str:
+        """The content of `text`; its calls go to self.calls, only the first without
+        parallel_tool_calls (as vLLM: the others are dropped)."""
+        content, calls = parse_tool_calls(text, self.tools.names)
+        self.calls = calls if self.tools.parallel else calls[:1]
+        return content
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        """"tool_calls" if the answer ended (not cut by max_tokens) in complete calls: a named
+        function's arguments cut by a stop string are not a call to make."""
+        named = self.tools.choice not in ("auto", "required")
+        complete = self.calls and (not named or is_object(self.text))
+        return "tool_calls" if complete and reason == "stop" else reason
+
+
+def is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

@@ -6,6 +6,11 @@ should catch it (`pytest -k`), not the whole suite, so that a round takes minute
 
     nice -n 19 python tools/mutate.py     # every mutant; -k WORD,WORD: those whose name has one
 
+A bug planted by hand in a module is confirmed caught, or not, by that module's fast subset of the
+suite (its mutants' tests and the tests in SUBSETS), run on the repository as it is, in minutes:
+
+    nice -n 19 python tools/mutate.py --subset nanoflow/tools.py
+
 A mutant is killed when its tests fail (or time out). Before the mutants, the same tests run once
 on the unmutated copy: they must pass, or a kill would mean nothing. Each mutant is a bug a user
 would notice (wrong tokens, a reader kept waiting, a wrong number or field): none is equivalent.
@@ -46,8 +51,8 @@ MUTANTS = [
       "for r in sorted(others, key=urgency.get):", "victims_are_the_least"),
     # sched.py: the mechanism and FCFS
     M("decodes-first", "nanoflow/sched.py",
-      "order += [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]",
-      "order[:0] = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens != 1]",
+      "key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)",
+      "key=lambda r: len(r.token_ids) - r.num_computed_tokens == 1)",
       "keeps_its_decode_tokens"),
     M("fcfs-no-reserve", "nanoflow/sched.py", "if need > free - reserved:", "if need > free:",
       "fcfs_admission"),
@@ -74,7 +79,7 @@ MUTANTS = [
       "if self.enable_prefix_caching and loaded(req):\n            self._cache_full_blocks(req)",
       "if False:\n            self._cache_full_blocks(req)", "second_turn_computes or right_blocks"),
     M("preempt-keeps-computed", "nanoflow/sched.py",
-      "req.num_computed_tokens = 0\n        req.num_cached_blocks = 0",
+      "req.num_computed_tokens = req.num_cached_blocks = 0",
       "req.num_cached_blocks = 0", "recompute_after_preemption_without"),
     M("start-ignores-room", "nanoflow/sched.py",
       "n = min(req.num_new_tokens, budget, room - req.num_computed_tokens)",
@@ -214,6 +219,54 @@ MUTANTS = [
     M("responses-tool-output-dropped", "nanoflow/responses.py",
       'messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})',
       "pass", "responses_function_call_round_trip"),
+    # tools.py, grammar.py, reasoning.py and their serve.py lines: what clients rely on (issue 42)
+    M("tools-length-cut-says-tool-calls", "nanoflow/tools.py",
+      'return "tool_calls" if complete and reason == "stop" else reason',
+      'return "tool_calls" if complete else reason', "tool_rule"),
+    M("tools-parallel-inverted", "nanoflow/tools.py",
+      '**({} if self.parallel else {"maxItems": 1})}',
+      '**({"maxItems": 1} if self.parallel else {})}', "tool_rule"),
+    M("tools-auto-ignores-parallel", "nanoflow/tools.py",
+      "self.calls = calls if self.tools.parallel else calls[:1]", "self.calls = calls",
+      "tool_rule"),
+    M("tools-required-without-a-call", "nanoflow/tools.py", '"minItems": 1,', "", "tool_rule"),
+    M("tools-content-after-calls-dropped", "nanoflow/tools.py",
+      'content, blocks = "".join(pieces[::2]), pieces[1::2]',
+      "content, blocks = pieces[0], pieces[1::2]", "tool_rule"),
+    M("tools-stopped-args-say-tool-calls", "nanoflow/tools.py",
+      "complete = self.calls and (not named or is_object(self.text))", "complete = self.calls",
+      "tool_rule"),
+    M("tools-stream-strips-between-calls", "nanoflow/tools.py",
+      'deltas = [{"content": content}] if content.strip() else []',
+      'deltas = [{"content": content.strip()}] if content.strip() else []', "tool_rule"),
+    M("tools-choice-none-still-parses", "nanoflow/tools.py", 'if choice == "none":',
+      'if choice == "never":', "tool_rule"),
+    M("format-json-object-unconstrained", "nanoflow/grammar.py", "return ANY_OBJECT",
+      "return None", "format_rule"),
+    M("tools-broken-call-vanishes", "nanoflow/tools.py", "        return text, []",
+      "        return content, []", "tool_rule"),
+    M("tools-unclosed-call-ignored", "nanoflow/tools.py", "(?:{re.escape(CALL_END)}|$)",
+      "(?:{re.escape(CALL_END)})", "tool_rule"),
+    M("tools-content-empty-beside-calls", "nanoflow/tools.py",
+      '{"content": content.strip() or None, "tool_calls": self.calls}',
+      '{"content": content.strip(), "tool_calls": self.calls}', "tool_rule"),
+    M("format-schema-ignored", "nanoflow/grammar.py", 'schema = spec.get("schema", ANY_OBJECT)',
+      "schema = ANY_OBJECT", "format_rule"),
+    M("grammar-masks-swapped-rows", "nanoflow/grammar.py",
+      'torch.where(allowed, logits[index], float("-inf"))',
+      'torch.where(allowed.flip(0), logits[index], float("-inf"))', "mixed_batch_gets"),
+    M("reasoning-tools-read-the-thinking", "nanoflow/serve.py",
+      "message.update(self.tool_stream(i).message(text))",
+      'message.update(self.tool_stream(i).message("".join(e.reasoning for e in mine) + text))',
+      "reasoning_rule"),
+    M("reasoning-reads-the-prompt-start", "nanoflow/serve.py",
+      "tail = server.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])",
+      "tail = server.engine.tokenizer.decode(ids[:PROMPT_TAIL_TOKENS])", "reasoning_rule"),
+    M("reasoning-splits-completions", "nanoflow/serve.py",
+      "reasoning = server.reasoning_parser if chat else None",
+      "reasoning = server.reasoning_parser", "keep_the_thinking_in_text"),
+    M("reasoning-marker-start-not-held", "nanoflow/reasoning.py",
+      "keep = marker_start_at_end(reasoning, self.end)", "keep = 0", "split_across_deltas"),
     # live.py, sim.py
     M("live-buffer-counts-the-read", "nanoflow/live.py",
       "max(0, math.ceil(lead * req.read_rate - 1))", "max(0, math.ceil(lead * req.read_rate))",
@@ -227,6 +280,27 @@ MUTANTS = [
       "start = max(self.clock(), after)",
       "simulated_eviction or one_direction_queue"),
 ]
+
+# the tests that exercise the newest modules beyond their mutants' (pytest -k)
+SUBSETS = {
+    "nanoflow/tools.py": "tool",
+    "nanoflow/grammar.py": "format_rule or tool_rule or mixed_batch or bad_structured or compact",
+    "nanoflow/reasoning.py": "reasoning or thinking",
+    "nanoflow/dist.py": "tensor_parallel",
+    "nanoflow/fleet.py": "fleet",
+    "nanoflow/swap.py": "swap or host or lanes or load or demotion or evict or forced_preemption",
+    "nanoflow/sched.py": "tokenflow or by_hand or fcfs or preempt",
+}
+
+
+def subset(file: str) -> str:
+    """The -k expression of a module's fast subset: its mutants' tests and its SUBSETS entry."""
+    tests = {m.tests for m in MUTANTS if m.file == file}
+    if file in SUBSETS:
+        tests.add(SUBSETS[file])
+    if not tests:
+        raise SystemExit(f"no mutant and no SUBSETS entry names {file}")
+    return " or ".join(f"({t})" for t in sorted(tests))
 
 
 def run_tests(copy: Path, tests: str) -> tuple[bool, float]:
@@ -256,7 +330,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-k", default="", help="only the mutants whose name contains one of "
                         "these comma-separated words")
+    parser.add_argument("--subset", metavar="FILE", help="run only FILE's fast subset of the "
+                        "tests, on the repository itself (e.g. nanoflow/tools.py)")
     args = parser.parse_args()
+    if args.subset:
+        cmd = [sys.executable, "-m", "pytest", "-q", "test_all.py", "-k", subset(args.subset)]
+        raise SystemExit(subprocess.run(cmd, cwd=ROOT).returncode)
     chosen = [m for m in MUTANTS if any(word in m.name for word in args.k.split(","))]
     with tempfile.TemporaryDirectory(prefix="nanoflow-mutants-") as tmp:
         copy = Path(tmp)

@@ -525,7 +525,7 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------- fidelity: the simulator beside the engine
+# ---------------------------------------------------------------- fidelity: simulator beside engine
 
 
 @dataclass
@@ -538,7 +538,7 @@ class Decision:
     step_s: float  # the policy's estimate of a decode step of the running batch
     prefill_rate: float  # ...and of prompt tokens/s
     free_blocks: int
-    batch: tuple[int, int, int]  # the step's prompt tokens, decodes and KV tokens (the cost model's)
+    batch: tuple[int, int, int]  # its prompt tokens, decodes and KV tokens (the cost model's terms)
 
 
 def record_decisions(scheduler) -> list[Decision]:

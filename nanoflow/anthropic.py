@@ -109,9 +109,10 @@ def error_body(status: int, message: str) -> dict:
 
 
 def blocks(chunks: Iterator[dict]) -> Iterator[tuple[str, str, object]]:
-    """A chat answer's chunks as blocks of kind "thinking", "text" or "call" (a tool call): ("start",
-    kind, call head or text), ("delta", kind, text or arguments), ("stop", kind, finish_reason if it
-    is the last), then ("end", finish_reason, usage); or ("error", "", chat's error)."""
+    """A chat answer's chunks as blocks of kind "thinking", "text" or "call" (a tool call):
+    ("start", kind, call head or text), ("delta", kind, text or arguments), ("stop", kind,
+    finish_reason if it is the last), then ("end", finish_reason, usage); or ("error", "", chat's
+    error)."""
     kind, reason, usage = None, None, None
     for chunk in chunks:
         if "error" in chunk:

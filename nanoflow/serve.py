@@ -767,7 +767,7 @@ class Handler(BaseHTTPRequestHandler):
     openai_responses = functools.partialmethod(_translated, responses)
 
     def count_tokens(self) -> None:
-        """Anthropic's count_tokens: the prompt tokens of the body (without max_tokens) as a message."""
+        """Anthropic's count_tokens: the prompt tokens that body (less max_tokens) would send."""
         with bad_request():
             chat = anthropic.chat_body({**self._read_json(), "max_tokens": 1})
         tokenizer = self.server.engine.tokenizer

@@ -2205,6 +2205,23 @@ def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_k
             s.waiting.remove(req)
 
 
+def test_running_readers_look_more_urgent_by_the_hysteresis_by_hand():
+    """Andes' hysteresis (step 1): a running request's slack counts 10% shorter, so that a paused
+    reader with a little less buffer does not swap places with it at every rebalance. Running, dry
+    in 10 s: 9 s; paused, dry in 9.5 s: 9.5 s; both far from a switch's lead (tier 2)."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    assert policy.config.hysteresis == 0.1
+    running = running_request(engine, 16, 100)
+    paused = engine.add_request([1] * 16, SamplingParams(max_tokens=100, ignore_eos=True))
+    paused.status = RequestStatus.PREEMPTED
+    for req, dry_at in ((running, 10.0), (paused, 9.5)):
+        req.token_times.append(0.0)  # started
+        req.dry_at = dry_at
+    assert policy.urgency(s, running, 0.0) == (2, pytest.approx(9.0))
+    assert policy.urgency(s, paused, 0.0) == (2, 9.5)
+
+
 def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memory_holds():
     """Issue 40's burst: an empty engine takes newcomers while their readers' rate stays within the
     capacity of the batch its memory holds, not of an engine as large as max_num_seqs. Twelve

@@ -2222,6 +2222,21 @@ def test_running_readers_look_more_urgent_by_the_hysteresis_by_hand():
     assert policy.urgency(s, paused, 0.0) == (2, 9.5)
 
 
+def test_a_reader_that_moved_within_an_interval_stays_on_the_device_by_hand():
+    """Step 4's brake on thrashing: a reader started or resumed less than an interval ago is not
+    preempted, however big its buffer (here 88 s, far beyond mu switches); an interval after it
+    moved, the same reader may leave."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    interval = policy.config.interval
+    req = running_request(engine, 16, 400)
+    req.token_times.append(0.0)  # started
+    req.dry_at = 100.0
+    req.last_moved = 10.0
+    assert not policy.preemptable(s, req, 10.0 + interval / 2)
+    assert policy.preemptable(s, req, 10.0 + interval)
+
+
 def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memory_holds():
     """Issue 40's burst: an empty engine takes newcomers while their readers' rate stays within the
     capacity of the batch its memory holds, not of an engine as large as max_num_seqs. Twelve

@@ -2237,6 +2237,30 @@ def test_a_reader_that_moved_within_an_interval_stays_on_the_device_by_hand():
     assert policy.preemptable(s, req, 10.0 + interval)
 
 
+def test_the_keep_set_takes_the_most_urgent_while_their_kv_fits_by_hand():
+    """Step 3: members in urgency order while their KV, grown for an interval, fits the device: a
+    0.5 s step grows a request by 1.5 / 0.5 = 3 tokens; three of 45 + 3 tokens take 3 blocks each
+    of 10, and the fourth (29 + 3 tokens, 2 blocks) does not fit the 1 left."""
+    engine = sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=10)
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.decode_moments = (1.0, 0.5, 1.0, 0.5)  # 0.5 s at any batch
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    reqs = [engine.add_request([1] * n, params) for n in (45, 45, 45, 29)]
+    assert policy.growth(s) == 3.0
+    assert policy.greedy_fill(s, reqs) == set(reqs[:3])
+
+
+def test_write_through_copies_at_most_the_blocks_the_link_allows_by_hand():
+    """After a step, filled blocks go to host in the order given, max_blocks in all: two requests
+    with 3 filled blocks each and room for 4 copy 3 + 1."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    swapper = engine.scheduler.swapper
+    reqs = [running_request(engine, 48, 100) for _ in range(2)]
+    swapper.write_through(reqs, 4)
+    assert [r.num_host_tokens for r in reqs] == [48, 16]
+    assert swapper.counters["blocks_written_through"] == 4
+
+
 def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memory_holds():
     """Issue 40's burst: an empty engine takes newcomers while their readers' rate stays within the
     capacity of the batch its memory holds, not of an engine as large as max_num_seqs. Twelve

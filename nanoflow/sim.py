@@ -286,7 +286,7 @@ def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float
     return SimEngine(cost, scheduler, read_rate, jitter, seed)
 
 
-def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16, 32), contexts=(128, 512),
+def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), contexts=(128, 512),
               decode_steps: int = 8) -> CostModel:
     """Fit the cpu-smollm2 form to the real engine's steps: overhead + prompt tokens + decoding
     requests + KV tokens attended (decodes at two context lengths tell the last two apart)."""

@@ -577,9 +577,7 @@ def fidelity_table(real: list[Run], sim: list[Run]) -> str:
             x, y = a.summary[key], b.summary[key]
             row += [f"{x:.3g}", f"{y:.3g}", f"{(y - x) / x:+.0%}" if x else "-"]
         lines.append(row)
-    widths = [max(map(len, column)) for column in zip(*lines)]
-    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
-                               for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
+    return aligned(lines)
 
 
 def step_residual(run: Run, cost: CostModel) -> str:
@@ -805,6 +803,13 @@ def shown(s: dict) -> dict:
             "host_hits": hits[1] / queried}
 
 
+def aligned(lines: list[list[str]]) -> str:
+    """Rows of cells as text columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(map(len, column)) for column in zip(*lines)]
+    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
+                               for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
+
+
 def table(runs: list[Run]) -> str:
     sums = list(map(shown, (r.summary for r in runs)))
     ratio = [f"{runs[-1].name}/{runs[0].name}"] if len(runs) == 2 else []
@@ -812,9 +817,7 @@ def table(runs: list[Run]) -> str:
     for label, key, fmt in ROWS:
         ratio = [f"{sums[-1][key] / sums[0][key]:.2f}x" if sums[0][key] else "-"] if ratio else []
         lines.append([label] + [fmt.format(s[key], **s) for s in sums] + ratio)
-    widths = [max(map(len, column)) for column in zip(*lines)]
-    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
-                               for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
+    return aligned(lines)
 
 
 def plot(runs: list[Run], path: str) -> None:

@@ -38,21 +38,29 @@ import torch
 
 from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
-from nanoflow.engine import (READ_RATE_MAX, DecodeGraphs, EngineConfig, busy_cpu_seconds,
-                             clamp_read_rate)
+from nanoflow.engine import (
+    READ_RATE_MAX,
+    DecodeGraphs,
+    EngineConfig,
+    busy_cpu_seconds,
+    clamp_read_rate,
+)
 from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig, make_policy
-from nanoflow.sim import (LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate,
-                          kv_bytes_per_token)
+from nanoflow.sim import LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate, kv_bytes_per_token
 from nanoflow.swap import Swapper
 
-TRACE_CREDIT = ("Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., \"Splitwise: "
-                "Efficient Generative LLM Inference Using Phase Splitting\", ISCA 2024")
-MOONCAKE_CREDIT = ("Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: "
-                   "Trading More Storage for Less Computation\", FAST 2025")
+TRACE_CREDIT = (
+    'Azure LLM inference trace 2023 (CC-BY-4.0), from Patel et al., "Splitwise: '
+    'Efficient Generative LLM Inference Using Phase Splitting", ISCA 2024'
+)
+MOONCAKE_CREDIT = (
+    "Mooncake's synthetic trace (Apache-2.0), from Qin et al., \"Mooncake: "
+    'Trading More Storage for Less Computation", FAST 2025'
+)
 TRACE_BLOCK = 512  # tokens behind each of a Mooncake trace's hash ids
 PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60% at 20
 # auto rates: the readers' peak total demand takes DEMAND_SHARE of the measured capacity, and the
@@ -67,11 +75,28 @@ PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode 
 PROMPT_VOCAB = 256  # prompt ids are drawn below this: valid for every model; content is irrelevant
 HTTP_TIMEOUT_S = 600.0
 # the engine's flags that bench takes (the others are bench's own or set per policy)
-ENGINE_FLAGS = ["device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
-                "max_num_batched_tokens", "enable_prefix_caching", "tokenflow", "cpu_threads"]
+ENGINE_FLAGS = [
+    "device",
+    "dtype",
+    "enforce_eager",
+    "tensor_parallel_size",
+    "num_kv_blocks",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "tokenflow",
+    "cpu_threads",
+]
 NOT_QUIET_SHARE = 0.05  # other processes' share of the CPUs during a run that makes it suspect
-COUNTERS = ("preemptions", "resumes_load", "resumes_recompute", "bytes_to_host", "bytes_to_device",
-            "prefix_queried_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens")
+COUNTERS = (
+    "preemptions",
+    "resumes_load",
+    "resumes_recompute",
+    "bytes_to_host",
+    "bytes_to_device",
+    "prefix_queried_tokens",
+    "prefix_hit_tokens",
+    "prefix_host_hit_tokens",
+)
 
 
 # ---------------------------------------------------------------- the workload
@@ -99,14 +124,15 @@ class Workload:
         """The trace's blocks, or `history` (a previous turn's prompt and answer) and new tokens."""
         if self.block_ids:
             blocks = (trace_block(b, self.block_tokens) for b in self.block_ids[i])
-            return list(b"".join(blocks)[:self.prompt_len[i]])
+            return list(b"".join(blocks)[: self.prompt_len[i]])
         rng = random.Random(self.seed * 1_000_003 + i)
         new = [rng.randrange(PROMPT_VOCAB) for _ in range(self.prompt_len[i] - len(history))]
-        return [*history, *new][:self.prompt_len[i]]
+        return [*history, *new][: self.prompt_len[i]]
 
     def params(self, i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=self.output_len[i], temperature=0, ignore_eos=True,
-                              read_rate=self.rate[i])
+        return SamplingParams(
+            max_tokens=self.output_len[i], temperature=0, ignore_eos=True, read_rate=self.rate[i]
+        )
 
     def clamped(self, context: int) -> "Workload":
         """Prompts and outputs cut to fit a context (a prompt keeps at least one token of room)."""
@@ -127,12 +153,16 @@ def read_trace(path: str, time_scale: float) -> list[tuple]:
     """(arrival_s, prompt_tokens, output_tokens, hash_ids or None) of a CSV or Mooncake JSONL."""
     if ".jsonl" in path:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-            rows = [(r["timestamp"] / 1e3, r["input_length"], r["output_length"], r["hash_ids"])
-                    for r in map(json.loads, f)]
+            rows = [
+                (r["timestamp"] / 1e3, r["input_length"], r["output_length"], r["hash_ids"])
+                for r in map(json.loads, f)
+            ]
     else:
         with open(path) as f:
-            rows = [(float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"]), None)
-                    for r in csv.DictReader(f)]
+            rows = [
+                (float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"]), None)
+                for r in csv.DictReader(f)
+            ]
     return sorted((a * time_scale, *rest) for a, *rest in rows)
 
 
@@ -179,7 +209,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     if args.trace:
         rows = read_trace(args.trace, args.time_scale)
         if args.conversations:  # a conversation's turns share their first hash id
-            firsts = set(list(dict.fromkeys(r[3][0] for r in rows))[:args.conversations])
+            firsts = set(list(dict.fromkeys(r[3][0] for r in rows))[: args.conversations])
             rows = [r for r in rows if r[3][0] in firsts]
         arrival, prompts, outputs, block_ids = map(list, zip(*rows))
         block_ids = block_ids if block_ids[0] is not None else None
@@ -191,8 +221,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
             arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
         elif args.multi_turn:  # the first turns spread over one think time
             arrival = sorted(rng.uniform(0, args.think_time) for _ in range(args.multi_turn))
-            source = (f"{args.multi_turn} conversations of {args.turns} turns, think time "
-                      f"{args.think_time} s, the prompt of each turn a new message")
+            source = (
+                f"{args.multi_turn} conversations of {args.turns} turns, think time "
+                f"{args.think_time} s, the prompt of each turn a new message"
+            )
         else:
             arrival, t = [], rng.expovariate(args.poisson)
             while t < args.duration:
@@ -207,8 +239,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
     mix = parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     rates = rng.choices([r for r, _ in mix], [s for _, s in mix], k=len(arrival))
     rates = [clamp_read_rate(r) for r in rates]
-    return Workload(arrival, prompts, outputs, rates, args.seed, source, block_ids,
-                    args.trace_block, follows)
+    return Workload(
+        arrival, prompts, outputs, rates, args.seed, source, block_ids, args.trace_block, follows
+    )
 
 
 # ---------------------------------------------------------------- readers: `--read-rate auto`
@@ -231,11 +264,13 @@ def auto_rates(w: Workload, speed: float, capacity: float) -> tuple[Workload, st
         peak = max((n for _, n in levels(w.arrival, ends)), default=0)
         target = min(by_speed, DEMAND_SHARE * capacity / peak)
     scaled = dataclasses.replace(w, rate=[clamp_read_rate(r * (target / mean)) for r in w.rate])
-    why = (f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} "
-           f"tok/s; up to {peak} read at once; so the paper's mix {PAPER_MIX} is scaled by "
-           f"{target / mean:.3g} to a mean of {sum(scaled.rate) / len(w):.2f} tok/s: the fastest "
-           f"reader reads {max(scaled.rate) / speed:.0%} of decode speed, peak demand is "
-           f"{peak * target / capacity:.0%} of capacity")
+    why = (
+        f"a running request decodes at {speed:.1f} tok/s and the engine at {capacity:.0f} "
+        f"tok/s; up to {peak} read at once; so the paper's mix {PAPER_MIX} is scaled by "
+        f"{target / mean:.3g} to a mean of {sum(scaled.rate) / len(w):.2f} tok/s: the fastest "
+        f"reader reads {max(scaled.rate) / speed:.0%} of decode speed, peak demand is "
+        f"{peak * target / capacity:.0%} of capacity"
+    )
     return scaled, why
 
 
@@ -276,13 +311,18 @@ class MachineWatch:
         if self.busy is not None:
             others = busy_cpu_seconds() - self.busy - (time.process_time() - self.own)
             share = max(0.0, others) / max(wall * os.cpu_count(), 1e-9)
-        return {"load_before": self.load_before, "load_after": os.getloadavg()[0],
-                "others_cpu_share": share}
+        return {
+            "load_before": self.load_before,
+            "load_after": os.getloadavg()[0],
+            "others_cpu_share": share,
+        }
 
 
 def describe_machine(name: str, m: dict) -> str:
-    line = (f"{name}: load average {m['load_before']:.2f} before, {m['load_after']:.2f} after; "
-            f"other processes used {m['others_cpu_share']:.0%} of the CPUs")
+    line = (
+        f"{name}: load average {m['load_before']:.2f} before, {m['load_after']:.2f} after; "
+        f"other processes used {m['others_cpu_share']:.0%} of the CPUs"
+    )
     if m["others_cpu_share"] > NOT_QUIET_SHARE:
         line += " -- WARNING: the machine was not quiet; these numbers are not evidence"
     return line
@@ -306,8 +346,11 @@ class Run:
     def summary(self) -> dict:
         end = max((r.token_times[-1] for r in self.records if r.token_times), default=self.start)
         makespan = max(end - self.start, 1e-9)  # no token at all: every request failed
-        return {**summarize(self.records, makespan, self.ttft_slo), **self.counters,
-                "wall_s": self.wall}
+        return {
+            **summarize(self.records, makespan, self.ttft_slo),
+            **self.counters,
+            "wall_s": self.wall,
+        }
 
 
 class Progress:
@@ -322,8 +365,13 @@ class Progress:
     def show(self, done: int, tokens: int, final: bool = False) -> None:
         self.last = time.monotonic()
         bar = "#" * (20 * done // max(1, self.total))
-        print(f"\r{self.label:>10} [{bar:<20}] {done}/{self.total} done, {tokens} tokens, "
-              f"{self.last - self.begin:.0f} s", end="\n" * final, file=sys.stderr, flush=True)
+        print(
+            f"\r{self.label:>10} [{bar:<20}] {done}/{self.total} done, {tokens} tokens, "
+            f"{self.last - self.begin:.0f} s",
+            end="\n" * final,
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def drive(engine, w: Workload, label: str) -> Run:
@@ -349,13 +397,21 @@ def drive(engine, w: Workload, label: str) -> Run:
             i = turns.pop(prev)
             heapq.heappush(due, (reqs[prev].token_times[-1] + w.arrival[i], i))
         if bar.due():
-            bar.show(sum(r.is_finished for r in reqs.values()),
-                     sum(r.num_output_tokens for r in reqs.values()))
+            bar.show(
+                sum(r.is_finished for r in reqs.values()),
+                sum(r.num_output_tokens for r in reqs.values()),
+            )
     reqs = [reqs[i] for i in range(len(w))]
     bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
     counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
-    return Run(label, [r.record() for r in reqs], start + w.arrival[0], counters,
-               time.monotonic() - wall, reqs)
+    return Run(
+        label,
+        [r.record() for r in reqs],
+        start + w.arrival[0],
+        counters,
+        time.monotonic() - wall,
+        reqs,
+    )
 
 
 def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
@@ -364,8 +420,14 @@ def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Nam
     before, wall = engine.stats(), time.monotonic()
     reqs, _, start = simulate(engines, w, make_router(router, args.seed), args.scrape_interval)
     counters = {k: sum(e.stats()[k] - before[k] for e in engines) for k in COUNTERS}
-    return Run(f"{router}/{label}", [r.record() for r in reqs], start + w.arrival[0], counters,
-               time.monotonic() - wall, reqs)
+    return Run(
+        f"{router}/{label}",
+        [r.record() for r in reqs],
+        start + w.arrival[0],
+        counters,
+        time.monotonic() - wall,
+        reqs,
+    )
 
 
 def find_replicas(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
@@ -374,8 +436,9 @@ def find_replicas(engine, w: Workload, label: str, router: str, args: argparse.N
     runs = {}
 
     def good(n: int) -> bool:
-        runs[n] = drive_fleet(engine, w, label, router, argparse.Namespace(**{**vars(args),
-                                                                             "replicas": n}))
+        runs[n] = drive_fleet(
+            engine, w, label, router, argparse.Namespace(**{**vars(args), "replicas": n})
+        )
         return runs[n].summary["qoe_good_share"] >= GOOD_SHARE
 
     low, high = 0, args.replicas
@@ -403,9 +466,15 @@ def http_stream(url: str, w: Workload, i: int, start: float, out: list) -> None:
     """One request as an OpenAI streaming completion; out[i] gets the client-side token times."""
     time.sleep(max(0.0, start + w.arrival[i] - time.monotonic()))
     times, tokens = [], 0
-    body = {"prompt": w.prompt_ids(i), "max_tokens": w.output_len[i], "temperature": 0,
-            "ignore_eos": True, "read_rate": w.rate[i], "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": w.prompt_ids(i),
+        "max_tokens": w.output_len[i],
+        "temperature": 0,
+        "ignore_eos": True,
+        "read_rate": w.rate[i],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         resp = http_call(url, "POST", "/v1/completions", body)
         if resp.status != 200:
@@ -438,8 +507,10 @@ def drive_http(url: str, w: Workload) -> Run:
     except OSError as e:
         raise SystemExit(f"no server at {url} ({e}); start one: python -m nanoflow.serve") from None
     start, times = time.monotonic() + 0.1, [None] * len(w)
-    threads = [threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True)
-               for i in range(len(w))]
+    threads = [
+        threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True)
+        for i in range(len(w))
+    ]
     for t in threads:
         t.start()
     bar = Progress("http", len(w))
@@ -460,15 +531,25 @@ def engine_factory(args: argparse.Namespace, w: Workload):
     # a device pool that holds `frac` of the workload at full length, and the largest request
     blocks = args.num_kv_blocks or (max(max(need), math.ceil(frac * sum(need))) if frac else None)
     if args.simulate:
-        make = functools.partial(build_engine, args.preset, num_kv_blocks=blocks,
-                                 tokenflow=args.tokenflow, charge_scheduler=not args.uncharged,
-                                 host_kv_gb=args.host_kv_gb, jitter=args.jitter,
-                                 seed=args.jitter_seed,
-                                 enable_prefix_caching=args.enable_prefix_caching)
+        make = functools.partial(
+            build_engine,
+            args.preset,
+            num_kv_blocks=blocks,
+            tokenflow=args.tokenflow,
+            charge_scheduler=not args.uncharged,
+            host_kv_gb=args.host_kv_gb,
+            jitter=args.jitter,
+            seed=args.jitter_seed,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
         return make, f"simulated: {cost_model(args.preset).describe()}"
     host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
-    options = {**EngineConfig.flag_values(args, ENGINE_FLAGS), "num_kv_blocks": blocks,
-               "block_size": BLOCK_SIZE, "host_kv_gb": host_kv_gb}
+    options = {
+        **EngineConfig.flag_values(args, ENGINE_FLAGS),
+        "num_kv_blocks": blocks,
+        "block_size": BLOCK_SIZE,
+        "host_kv_gb": host_kv_gb,
+    }
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
     where = f"{args.ckpt or 'demo model'} on {device} ({name}, torch {torch.__version__})"
@@ -495,10 +576,15 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
         probe = drive(engine, probe.clamped(context), "warm-up")
         if not runs:
             speed, capacity = decode_rates(probe.records)
-            info.update(host_blocks=engine.stats()["host_blocks_total"], kv_blocks=blocks,
-                        probe_batch=len(probe.records), decode_speed=speed, capacity=capacity,
-                        rates=f"{args.read_rate} (as given)",
-                        prefill_rate=engine.scheduler.rates.prefill_rate)
+            info.update(
+                host_blocks=engine.stats()["host_blocks_total"],
+                kv_blocks=blocks,
+                probe_batch=len(probe.records),
+                decode_speed=speed,
+                capacity=capacity,
+                rates=f"{args.read_rate} (as given)",
+                prefill_rate=engine.scheduler.rates.prefill_rate,
+            )
             if args.read_rate == "auto":
                 w, info["rates"] = auto_rates(w, speed, capacity * (args.replicas or 1))
         if args.replicas:
@@ -547,24 +633,35 @@ def record_decisions(scheduler) -> list[Decision]:
 
     def schedule():
         now = scheduler.clock()
-        seen = {r: (r.status.value, r.num_output_tokens, r.dry_at - now)
-                for r in itertools.chain(scheduler.running, scheduler.waiting)}
+        seen = {
+            r: (r.status.value, r.num_output_tokens, r.dry_at - now)
+            for r in itertools.chain(scheduler.running, scheduler.waiting)
+        }
         step_s, free = scheduler.step_time(), scheduler.kv.num_free
         out = decide()
         if out:
-            batch = (sum(n for _, n in out if n > 1), sum(n == 1 for _, n in out),
-                     sum(r.num_computed_tokens + n for r, n in out))
-            log.append(Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free,
-                                batch))
+            batch = (
+                sum(n for _, n in out if n > 1),
+                sum(n == 1 for _, n in out),
+                sum(r.num_computed_tokens + n for r, n in out),
+            )
+            log.append(
+                Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free, batch)
+            )
         return out
 
     scheduler.schedule = schedule
     return log
 
 
-FIDELITY_METRICS = [("TTFT p50 (s)", "ttft_p50"), ("TTFT p99 (s)", "ttft_p99"),
-                    ("rebuffer mean (s)", "rebuffer_mean"), ("QoE mean", "qoe_mean"),
-                    ("throughput (tok/s)", "throughput"), ("preemptions", "preemptions")]
+FIDELITY_METRICS = [
+    ("TTFT p50 (s)", "ttft_p50"),
+    ("TTFT p99 (s)", "ttft_p99"),
+    ("rebuffer mean (s)", "rebuffer_mean"),
+    ("QoE mean", "qoe_mean"),
+    ("throughput (tok/s)", "throughput"),
+    ("preemptions", "preemptions"),
+]
 REBUFFER_SLACK_S = 0.5  # rebuffer mean: within 15% or this many seconds (issue 40)
 
 
@@ -588,8 +685,10 @@ def step_residual(run: Run, cost: CostModel) -> str:
     for a, b in pairs:
         spent += b.at - a.at
         predicted += cost.step_time(*a.batch)
-    return (f"{run.name}: {len(run.decisions)} steps took {spent:.1f} s, the cost model says "
-            f"{predicted:.1f} s for the same batches ({spent / max(predicted, 1e-9) - 1:+.0%})")
+    return (
+        f"{run.name}: {len(run.decisions)} steps took {spent:.1f} s, the cost model says "
+        f"{predicted:.1f} s for the same batches ({spent / max(predicted, 1e-9) - 1:+.0%})"
+    )
 
 
 def by_index(run: Run) -> dict:
@@ -607,22 +706,28 @@ def first_parting(real: Run, sim: Run, shown: int = 8) -> str:
         seen_a = {ri[id(r)]: v for r, v in a.seen.items()}
         seen_b = {si[id(r)]: v for r, v in b.seen.items()}
         t0, t1 = real.start, sim.start
-        lines = [f"{real.name}: the schedules part at decision {k} (real t={a.at - t0:.2f} s, "
-                 f"sim t={b.at - t1:.2f} s)",
-                 f"  step estimate real {a.step_s * 1e3:.0f} ms, sim {b.step_s * 1e3:.0f} ms; "
-                 f"prefill rate real {a.prefill_rate:.0f}, sim {b.prefill_rate:.0f} tok/s; "
-                 f"free blocks real {a.free_blocks}, sim {b.free_blocks}",
-                 "  request: real (state, output tokens, s to dry, tokens run) | sim (same)"]
+        lines = [
+            f"{real.name}: the schedules part at decision {k} (real t={a.at - t0:.2f} s, "
+            f"sim t={b.at - t1:.2f} s)",
+            f"  step estimate real {a.step_s * 1e3:.0f} ms, sim {b.step_s * 1e3:.0f} ms; "
+            f"prefill rate real {a.prefill_rate:.0f}, sim {b.prefill_rate:.0f} tok/s; "
+            f"free blocks real {a.free_blocks}, sim {b.free_blocks}",
+            "  request: real (state, output tokens, s to dry, tokens run) | sim (same)",
+        ]
         differ = sorted(i for i in seen_a.keys() | seen_b.keys() if ran_a.get(i) != ran_b.get(i))
         for i in differ[:shown]:
-            lines.append(f"  #{i}: {seen_side(seen_a.get(i), ran_a.get(i))} | "
-                         f"{seen_side(seen_b.get(i), ran_b.get(i))}")
+            lines.append(
+                f"  #{i}: {seen_side(seen_a.get(i), ran_a.get(i))} | "
+                f"{seen_side(seen_b.get(i), ran_b.get(i))}"
+            )
         if len(differ) > shown:
             lines.append(f"  ... and {len(differ) - shown} more")
         return "\n".join(lines)
     common = min(len(real.decisions), len(sim.decisions))
-    return (f"{real.name}: the same {common} decisions (the engine made {len(real.decisions)}, "
-            f"the simulator {len(sim.decisions)})")
+    return (
+        f"{real.name}: the same {common} decisions (the engine made {len(real.decisions)}, "
+        f"the simulator {len(sim.decisions)})"
+    )
 
 
 def seen_side(seen: tuple | None, ran: int | None) -> str:
@@ -645,8 +750,15 @@ def replay(args: argparse.Namespace, w: Workload, info: dict, fit: CostModel) ->
     link = info.get("link_bytes_per_s", fit.link_bytes_per_s)  # the copies of the real runs
     cost = dataclasses.replace(fit, num_kv_blocks=info["kv_blocks"], link_bytes_per_s=link)
     host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
-    sim_args = argparse.Namespace(**{**vars(args), "simulate": True, "preset": cost,
-                                     "num_kv_blocks": info["kv_blocks"], "host_kv_gb": host_kv_gb})
+    sim_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "simulate": True,
+            "preset": cost,
+            "num_kv_blocks": info["kv_blocks"],
+            "host_kv_gb": host_kv_gb,
+        }
+    )
     sim, _, _ = run_policies(sim_args, w)
     for run in sim:
         run.ttft_slo = ttft_slo(args)
@@ -675,11 +787,21 @@ def fidelity(args: argparse.Namespace) -> None:
     for run in real:
         print(describe_machine(run.name, run.machine))
     if args.json:
-        rows = {r.name: {"real": r.summary, "sim": s.summary, "machine": r.machine}
-                for r, s in zip(real, sim)}
-        Path(args.json).write_text(json.dumps({"args": {**vars(args), "tokenflow": None},
-                                               "fit": fit.describe(), "policies": rows},
-                                              indent=2, default=str))
+        rows = {
+            r.name: {"real": r.summary, "sim": s.summary, "machine": r.machine}
+            for r, s in zip(real, sim)
+        }
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": {**vars(args), "tokenflow": None},
+                    "fit": fit.describe(),
+                    "policies": rows,
+                },
+                indent=2,
+                default=str,
+            )
+        )
 
 
 # ---------------------------------------------------------------- the real engine's regimes
@@ -697,14 +819,25 @@ REGIMES = [
     ("burst 32 (3x), memory for 9 (issue 40)", "--burst 32 --prompt-len 45:2 --output-len 128:0"),
     ("poisson 0.3/s (1/3)", "--poisson 0.3 --duration 20"),
     ("poisson 1.4/s (1.3x)", "--poisson 1.4 --duration 15"),
-    ("multi-turn chat", "--multi-turn 6 --turns 3 --think-time 2 --prompt-len 256:32 "
-     "--output-len 32:8 --read-rate 20"),
+    (
+        "multi-turn chat",
+        "--multi-turn 6 --turns 3 --think-time 2 --prompt-len 256:32 "
+        "--output-len 32:8 --read-rate 20",
+    ),
     ("long prompts", "--burst 6 --prompt-len 1024:64 --output-len 32:8"),
 ]
-REGIME_METRICS = [("TTFT p99", "ttft_p99", 1), ("rebuffer mean", "rebuffer_mean", 1),
-                  ("QoE mean", "qoe_mean", -1), ("throughput", "throughput", -1)]
-SIM_ERRORS = [("TTFT p50", "ttft_p50"), ("TTFT p99", "ttft_p99"), ("throughput", "throughput"),
-              ("rebuffer", "rebuffer_mean")]
+REGIME_METRICS = [
+    ("TTFT p99", "ttft_p99", 1),
+    ("rebuffer mean", "rebuffer_mean", 1),
+    ("QoE mean", "qoe_mean", -1),
+    ("throughput", "throughput", -1),
+]
+SIM_ERRORS = [
+    ("TTFT p50", "ttft_p50"),
+    ("TTFT p99", "ttft_p99"),
+    ("throughput", "throughput"),
+    ("rebuffer", "rebuffer_mean"),
+]
 SIM_TOLERANCE = 0.15  # issue 40: the simulator within 15% of the engine (rebuffer: or 0.5 s)
 
 
@@ -724,7 +857,8 @@ def regime_verdict(name: str, fcfs: list[dict], tokenflow: list[dict]) -> list[s
             misses.append(label)
     burst = name.startswith("burst")
     if burst and statistics.mean(s["ttft_p99"] for s in tokenflow) >= statistics.mean(
-            s["ttft_p99"] for s in fcfs):
+        s["ttft_p99"] for s in fcfs
+    ):
         misses.append("TTFT p99 not better")
     return misses
 
@@ -748,11 +882,20 @@ def regimes(args: argparse.Namespace) -> None:
     order alternating), and the simulator with a cost model fitted in the same run beside it."""
     fit = fit_cost_model(args)
     print(f"fitted in this run: {fit.describe()}")
-    print("| regime | TTFT p99 s | rebuffer mean s | QoE mean | throughput tok/s | verdict | "
-          "simulator's error (fcfs; tokenflow) |\n" + "|---" * 7 + "|")
+    print(
+        "| regime | TTFT p99 s | rebuffer mean s | QoE mean | throughput tok/s | verdict | "
+        "simulator's error (fcfs; tokenflow) |\n" + "|---" * 7 + "|"
+    )
     results = []
-    own = [f"--{k.replace('_', '-')}={v}" for k, v in (("ckpt", args.ckpt), ("device", args.device),
-                                                       ("cpu_threads", args.cpu_threads)) if v]
+    own = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in (
+            ("ckpt", args.ckpt),
+            ("device", args.device),
+            ("cpu_threads", args.cpu_threads),
+        )
+        if v
+    ]
     for name, extra in (row for row in REGIMES if args.regimes in row[0]):
         real = {"fcfs": [], "tokenflow": []}
         for k in range(max(2, args.repeat)):
@@ -764,15 +907,27 @@ def regimes(args: argparse.Namespace) -> None:
         sim = {r.name: r.summary for r in replay(row, w, info, fit)}
         errors = [sim_errors(real[p], sim[p]) for p in ("fcfs", "tokenflow")]
         misses = regime_verdict(name, real["fcfs"], real["tokenflow"])
-        cells = [f"{spread([s[key] for s in real['fcfs']])} -> "
-                 f"{spread([s[key] for s in real['tokenflow']])}" for _, key, _ in REGIME_METRICS]
+        cells = [
+            f"{spread([s[key] for s in real['fcfs']])} -> "
+            f"{spread([s[key] for s in real['tokenflow']])}"
+            for _, key, _ in REGIME_METRICS
+        ]
         quiet = max(s["others_cpu_share"] for p in real.values() for s in p) <= NOT_QUIET_SHARE
-        verdict_text = ("pass" if not misses else "misses: " + ", ".join(misses))
+        verdict_text = "pass" if not misses else "misses: " + ", ".join(misses)
         verdict_text += "" if quiet else " (not quiet)"
-        print(f"| {name} | {' | '.join(cells)} | {verdict_text} | "
-              f"{errors[0][0]}; {errors[1][0]} |", flush=True)
-        results.append({"regime": name, "real": real, "sim": sim, "misses": misses,
-                        "sim_within": [e[1] for e in errors]})
+        print(
+            f"| {name} | {' | '.join(cells)} | {verdict_text} | {errors[0][0]}; {errors[1][0]} |",
+            flush=True,
+        )
+        results.append(
+            {
+                "regime": name,
+                "real": real,
+                "sim": sim,
+                "misses": misses,
+                "sim_within": [e[1] for e in errors],
+            }
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"fit": fit.describe(), "rows": results}, indent=2))
 
@@ -780,34 +935,51 @@ def regimes(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- output
 
 
-ROWS = [("TTFT mean (s)", "ttft_mean", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
-        ("TTFT p99 (s)", "ttft_p99", "{:.2f}"), ("TBT p99 (s)", "tbt_p99", "{:.3f}"),
-        ("rebuffer mean (s)", "rebuffer_mean", "{:.2f}"),
-        ("rebuffer p99 (s)", "rebuffer_p99", "{:.2f}"), ("QoE mean", "qoe_mean", "{:.3f}"),
-        ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
-        ("TTFT <= SLO share", "ttft_slo_share", "{:.0%}"),
-        ("effective throughput (tok/s)", "effective_throughput", "{:.1f}"),
-        ("throughput (tok/s)", "throughput", "{:.1f}"), ("makespan (s)", "makespan", "{:.1f}"),
-        ("preemptions (resumed by load/recompute)", "preemptions",
-         "{preemptions} ({resumes_load}/{resumes_recompute})"),
-        ("GB moved host<->device", "gb", "{:.2f}"),
-        ("prefix hits (device + host)", "prefix", "{device_hits:.1%} + {host_hits:.1%}"),
-        ("requests completed", "completed", "{:.0f}")]
+ROWS = [
+    ("TTFT mean (s)", "ttft_mean", "{:.2f}"),
+    ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
+    ("TTFT p99 (s)", "ttft_p99", "{:.2f}"),
+    ("TBT p99 (s)", "tbt_p99", "{:.3f}"),
+    ("rebuffer mean (s)", "rebuffer_mean", "{:.2f}"),
+    ("rebuffer p99 (s)", "rebuffer_p99", "{:.2f}"),
+    ("QoE mean", "qoe_mean", "{:.3f}"),
+    ("QoE >= 0.95 share", "qoe_good_share", "{:.0%}"),
+    ("TTFT <= SLO share", "ttft_slo_share", "{:.0%}"),
+    ("effective throughput (tok/s)", "effective_throughput", "{:.1f}"),
+    ("throughput (tok/s)", "throughput", "{:.1f}"),
+    ("makespan (s)", "makespan", "{:.1f}"),
+    (
+        "preemptions (resumed by load/recompute)",
+        "preemptions",
+        "{preemptions} ({resumes_load}/{resumes_recompute})",
+    ),
+    ("GB moved host<->device", "gb", "{:.2f}"),
+    ("prefix hits (device + host)", "prefix", "{device_hits:.1%} + {host_hits:.1%}"),
+    ("requests completed", "completed", "{:.0f}"),
+]
 
 
 def shown(s: dict) -> dict:
     queried = max(1, s["prefix_queried_tokens"])
     hits = (s["prefix_hit_tokens"], s["prefix_host_hit_tokens"])
-    return {**s, "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
-            "prefix": sum(hits) / queried, "device_hits": hits[0] / queried,
-            "host_hits": hits[1] / queried}
+    return {
+        **s,
+        "gb": (s["bytes_to_host"] + s["bytes_to_device"]) / 1e9,
+        "prefix": sum(hits) / queried,
+        "device_hits": hits[0] / queried,
+        "host_hits": hits[1] / queried,
+    }
 
 
 def aligned(lines: list[list[str]]) -> str:
     """Rows of cells as text columns: the first left-aligned, the rest right-aligned."""
     widths = [max(map(len, column)) for column in zip(*lines)]
-    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
-                               for i, (c, wd) in enumerate(zip(row, widths))) for row in lines)
+    return "\n".join(
+        "  ".join(
+            c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(row, widths))
+        )
+        for row in lines
+    )
 
 
 def table(runs: list[Run]) -> str:
@@ -823,6 +995,7 @@ def table(runs: list[Run]) -> str:
 def plot(runs: list[Run], path: str) -> None:
     """Each request's buffer over time, per policy, and the TTFT CDF of every policy."""
     import matplotlib.pyplot as plt
+
     plt.switch_backend("Agg")
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(6 * (len(runs) + 1), 4.5))
     for ax in axes[1:-1]:
@@ -830,14 +1003,21 @@ def plot(runs: list[Run], path: str) -> None:
     for ax, run in zip(axes, runs):
         for r in run.records:  # unread tokens at every generation and read
             curve = levels(r.token_times, read_times(r.token_times, r.rate))
-            ax.step([t - run.start for t, _ in curve], [n for _, n in curve], lw=0.5, alpha=0.4,
-                    where="post")
-        ax.set(title=f"{run.name}: each request's buffer", xlabel="time (s)",
-               ylabel="unread tokens")
+            ax.step(
+                [t - run.start for t, _ in curve],
+                [n for _, n in curve],
+                lw=0.5,
+                alpha=0.4,
+                where="post",
+            )
+        ax.set(
+            title=f"{run.name}: each request's buffer", xlabel="time (s)", ylabel="unread tokens"
+        )
     for run in runs:
         ttfts = sorted(r.ttft for r in run.records if r.token_times)
-        axes[-1].step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post",
-                      label=run.name)
+        axes[-1].step(
+            ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post", label=run.name
+        )
     axes[-1].axvline(TTFT_TARGET, color="gray", ls=":", label=f"{TTFT_TARGET} s")
     axes[-1].set(title="TTFT CDF", xlabel="TTFT (s)", ylabel="share of requests")
     axes[-1].legend()
@@ -848,8 +1028,9 @@ def plot(runs: list[Run], path: str) -> None:
 # ---------------------------------------------------------------- the regime matrix
 
 
-MATRIX_BASE = ("--simulate --preset h200-llama3-8b --prompt-len 512 --output-len 2048 "
-               "--read-rate 20 --seed 0")
+MATRIX_BASE = (
+    "--simulate --preset h200-llama3-8b --prompt-len 512 --output-len 2048 --read-rate 20 --seed 0"
+)
 TRACE = Path(__file__).parent / "data" / "azure_code_burst_10min.csv"
 MIX = "--read-rate 15:0.4,20:0.6"
 MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
@@ -860,13 +1041,18 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
     *[(f"poisson {rate}/s", f"--poisson {rate} --duration 60") for rate in (2, 5, 7, 10)],
     ("poisson 20/s (overload)", "--poisson 20 --duration 60"),
     ("tight memory (400 blocks)", "--burst 400 --num-kv-blocks 400"),
-    ("long prompts, short outputs",
-     "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5"),
+    (
+        "long prompts, short outputs",
+        "--burst 200 --prompt-len 8000:100 --output-len 64:16 --read-rate 5",
+    ),
     ("slow readers (5 tok/s)", "--burst 400 --read-rate 5"),
     ("fast readers (40 tok/s)", "--burst 400 --read-rate 40"),
     ("faster readers (60 tok/s)", "--burst 400 --read-rate 60"),
-    ("burst 400, readers 1.25x the mix", "--burst 400 --read-rate 18.75:0.4,25:0.6",
-     {"ttft_p99": 0.3}),
+    (
+        "burst 400, readers 1.25x the mix",
+        "--burst 400 --read-rate 18.75:0.4,25:0.6",
+        {"ttft_p99": 0.3},
+    ),
     ("poisson 30/s (1.5x overload)", "--poisson 30 --duration 60"),
     ("reader mix 15:0.4,20:0.6", f"--burst 400 {MIX}"),
     ("azure code trace", f"--trace {TRACE} {MIX}"),
@@ -874,16 +1060,25 @@ MATRIX = [  # (name, arguments added to MATRIX_BASE[, targets beyond the bar])
 ]
 REPEAT_JITTER = 0.03  # --matrix --repeat: step times vary by up to 3% (uniformly), as on a GPU
 # the bar, every row: (metric, tokenflow at most (+1) or at least (-1), factor of fcfs, plus)
-BAR = [("ttft_p99", 1, 1.1, 0.2), ("rebuffer_mean", 1, 1.1, 0.1), ("throughput", -1, 0.95, 0.0),
-       ("effective_throughput", -1, 0.95, 0.0)]
-MATRIX_HEAD = ("| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | "
-               "QoE >= 0.95 share | TTFT <= SLO share | verdict |\n" + "|---" * 8 + "|")
+BAR = [
+    ("ttft_p99", 1, 1.1, 0.2),
+    ("rebuffer_mean", 1, 1.1, 0.1),
+    ("throughput", -1, 0.95, 0.0),
+    ("effective_throughput", -1, 0.95, 0.0),
+]
+MATRIX_HEAD = (
+    "| regime | TTFT p99 s | rebuffer mean s | eff. throughput | throughput | "
+    "QoE >= 0.95 share | TTFT <= SLO share | verdict |\n" + "|---" * 8 + "|"
+)
 
 
 def verdict(fcfs: dict, tokenflow: dict, targets: dict[str, float]) -> list[str]:
     """What tokenflow misses of the bar (and of the row's targets) against fcfs; empty = pass."""
-    misses = [f"{s['completed']}/{s['requests']} completed ({name})" for name, s in
-              (("fcfs", fcfs), ("tokenflow", tokenflow)) if s["completed"] != s["requests"]]
+    misses = [
+        f"{s['completed']}/{s['requests']} completed ({name})"
+        for name, s in (("fcfs", fcfs), ("tokenflow", tokenflow))
+        if s["completed"] != s["requests"]
+    ]
     rules = BAR + [(key, 1 if ratio < 1 else -1, ratio, 0.0) for key, ratio in targets.items()]
     for key, sign, factor, plus in rules:
         limit = factor * fcfs[key] + sign * plus
@@ -905,10 +1100,12 @@ def matrix_row(name: str, f: dict, t: dict, misses: list[str], runs: str = "") -
     ratio = lambda key: f"{t[key] / f[key]:.2f}x" if f[key] else "-"  # noqa: E731
     verdict = "pass" if not misses else "FAIL: " + "; ".join(misses)
     verdict = f"{runs}; worst run: {verdict}" if runs else verdict
-    return (f"| {name} | {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} | {f['rebuffer_mean']:.2f} -> "
-            f"{t['rebuffer_mean']:.2f} | {ratio('effective_throughput')} | {ratio('throughput')} | "
-            f"{f['qoe_good_share']:.0%} -> {t['qoe_good_share']:.0%} | "
-            f"{f['ttft_slo_share']:.0%} -> {t['ttft_slo_share']:.0%} | {verdict} |")
+    return (
+        f"| {name} | {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} | {f['rebuffer_mean']:.2f} -> "
+        f"{t['rebuffer_mean']:.2f} | {ratio('effective_throughput')} | {ratio('throughput')} | "
+        f"{f['qoe_good_share']:.0%} -> {t['qoe_good_share']:.0%} | "
+        f"{f['ttft_slo_share']:.0%} -> {t['ttft_slo_share']:.0%} | {verdict} |"
+    )
 
 
 def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> None:
@@ -916,8 +1113,10 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> 
     call, of a full rebalance and of after_step() with N requests running and N/8 waiting
     (simulator). The baseline admits them all (tokenflow admits only what the modelled H200 can
     serve: ~38k tok/s at 4096), then the policy timed takes over. Readers read 20 tok/s."""
-    print(f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>16} "
-          f"{'ms after step':>14}")
+    print(
+        f"{'policy':>10} {'running':>8} {'ms per decision':>16} {'ms per rebalance':>16} "
+        f"{'ms after step':>14}"
+    )
     for policy, n in itertools.product(POLICIES, sizes):
         params = SamplingParams(max_tokens=4096, ignore_eos=True, read_rate=20)
         engine = build_engine("h200-llama3-8b", "fcfs", num_kv_blocks=n * 300)
@@ -943,8 +1142,10 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> 
             now = engine.clock()
             spent = [seconds(lambda: full_rebalance(s, now), time.process_time) for _ in range(10)]
             rebalance = f"{statistics.median(spent) * 1e3:.3f}"
-        print(f"{policy:>10} {n:>8} {statistics.median(deciding) * 1e3:>16.3f} {rebalance:>16} "
-              f"{statistics.median(after) * 1e3:>14.3f}")
+        print(
+            f"{policy:>10} {n:>8} {statistics.median(deciding) * 1e3:>16.3f} {rebalance:>16} "
+            f"{statistics.median(after) * 1e3:>14.3f}"
+        )
 
 
 def full_rebalance(s, now: float) -> None:
@@ -1006,21 +1207,35 @@ def bench_kernels() -> dict:
         tables = torch.randperm(blocks, device="cuda").view(batch, -1).int()
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
-        s = cuda_time(lambda: decode_attention_triton(q, pool[:, 0], pool[:, 1], tables, lens,
-                                                      context, head_dim ** -0.5))
+        s = cuda_time(
+            lambda: decode_attention_triton(
+                q, pool[:, 0], pool[:, 1], tables, lens, context, head_dim**-0.5
+            )
+        )
         nbytes = (pool.numel() + 2 * q.numel()) * q.element_size()  # K + V, q and the output
         share = nbytes / s / peak
         print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {share:>7.0%}")
         rows.append(dict(batch=batch, context=context, seconds=s, share_of_copy=share))
     worst = min(r["share_of_copy"] for r in rows if r["batch"] >= 32 and r["context"] >= 2048)
-    return dict(copy_bytes_per_s=peak, rows=rows, summary=f"decode kernel >= {worst:.0%} of copy "
-                "bandwidth at batch >= 32, context >= 2k (target 70%)")
+    return dict(
+        copy_bytes_per_s=peak,
+        rows=rows,
+        summary=f"decode kernel >= {worst:.0%} of copy "
+        "bandwidth at batch >= 32, context >= 2k (target 70%)",
+    )
 
 
 def llama_pool(num_blocks: int, device: str, host: bool = False) -> KVPool:
-    return KVPool(num_blocks, LLAMA3_8B.num_hidden_layers, BLOCK_SIZE,
-                  LLAMA3_8B.num_key_value_heads, LLAMA3_8B.head_dim, torch.bfloat16,
-                  torch.device(device), host=host)
+    return KVPool(
+        num_blocks,
+        LLAMA3_8B.num_hidden_layers,
+        BLOCK_SIZE,
+        LLAMA3_8B.num_key_value_heads,
+        LLAMA3_8B.head_dim,
+        torch.bfloat16,
+        torch.device(device),
+        host=host,
+    )
 
 
 def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
@@ -1029,8 +1244,13 @@ def llama_swapper(num_blocks: int, device: str = "cuda") -> Swapper:
 
 def fake_request(block_table: list[int], num_computed_tokens: int) -> SimpleNamespace:
     """What the Swapper reads of a request."""
-    return SimpleNamespace(block_table=block_table, host_block_table=[], num_host_tokens=0,
-                           num_computed_tokens=num_computed_tokens, block_hashes=[])
+    return SimpleNamespace(
+        block_table=block_table,
+        host_block_table=[],
+        num_host_tokens=0,
+        num_computed_tokens=num_computed_tokens,
+        block_hashes=[],
+    )
 
 
 def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
@@ -1055,17 +1275,25 @@ def bench_transfers() -> dict:
     del sw
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    raw = (nbytes / cuda_time(lambda: pinned.copy_(dev, non_blocking=True)),
-           nbytes / cuda_time(lambda: dev.copy_(pinned, non_blocking=True)))
-    print(f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs "
-          f"one pinned copy_\n{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}")
+    raw = (
+        nbytes / cuda_time(lambda: pinned.copy_(dev, non_blocking=True)),
+        nbytes / cuda_time(lambda: dev.copy_(pinned, non_blocking=True)),
+    )
+    print(
+        f"{nbytes / 1e9:.1f} GB of Llama-3-8B KV in {BLOCK_SIZE}-token blocks, scattered, vs "
+        f"one pinned copy_\n{'direction':>13} {'Swapper GB/s':>13} {'raw GB/s':>9} {'share':>6}"
+    )
     for name, x, y in zip(("device->host", "host->device"), ours, raw):
         print(f"{name:>13} {x / 1e9:>13.1f} {y / 1e9:>9.1f} {x / y:>6.0%}")
     shares = (ours[0] / raw[0], ours[1] / raw[1])
     slowdown = bench_decode_beside_write_through()
-    return dict(to_host_share=shares[0], to_device_share=shares[1], write_through_slowdown=slowdown,
-                summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through "
-                f"slows decode by {slowdown:.1%} (target <= 5%)")
+    return dict(
+        to_host_share=shares[0],
+        to_device_share=shares[1],
+        write_through_slowdown=slowdown,
+        summary=f"swap {min(shares):.0%} of a raw pinned copy (target 80%); write-through "
+        f"slows decode by {slowdown:.1%} (target <= 5%)",
+    )
 
 
 def random_model(device: str) -> Transformer:
@@ -1079,18 +1307,21 @@ def random_model(device: str) -> Transformer:
     return model.eval()
 
 
-def decode_forward(model: Transformer, pool: KVPool, batch: int, context: int,
-                   graphs: bool = False):
+def decode_forward(
+    model: Transformer, pool: KVPool, batch: int, context: int, graphs: bool = False
+):
     """A decode step's forward over `batch` sequences of `context` tokens, and their tables."""
     device, per_seq = pool.kv_cache.device, context // BLOCK_SIZE
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    meta, positions = build_metadata(tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE,
-                                     device)
+    meta, positions = build_metadata(
+        tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE, device
+    )
     ids = torch.randint(model.config.vocab_size, (batch,), device=device)
     rows, caches = torch.arange(batch, device=device), pool.layer_caches()
     if graphs:
-        runner = DecodeGraphs(model, caches, [batch], model.config.max_position_embeddings,
-                              BLOCK_SIZE, capture=True)
+        runner = DecodeGraphs(
+            model, caches, [batch], model.config.max_position_embeddings, BLOCK_SIZE, capture=True
+        )
         return (lambda: runner.run(ids, positions, meta)), tables
     return (lambda: model(ids, positions, caches, meta, rows)), tables
 
@@ -1104,15 +1335,27 @@ def bench_decode_speed(device: str = "cuda") -> dict:
         pool = llama_pool(batch * DECODE_CONTEXT // BLOCK_SIZE, device)
         floor = (weights + pool.kv_cache.numel() * pool.kv_cache.element_size()) / peak
         s = cuda_time(decode_forward(model, pool, batch, DECODE_CONTEXT, mode == "graphs")[0])
-        rows.append(dict(batch=batch, context=DECODE_CONTEXT, mode=mode, tokens_per_s=batch / s,
-                         share_of_floor=floor / s))
-        print(f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of the "
-              "bandwidth floor")
+        rows.append(
+            dict(
+                batch=batch,
+                context=DECODE_CONTEXT,
+                mode=mode,
+                tokens_per_s=batch / s,
+                share_of_floor=floor / s,
+            )
+        )
+        print(
+            f"decode batch {batch:>3}, {mode}: {batch / s:>8.0f} tok/s, {floor / s:.0%} of the "
+            "bandwidth floor"
+        )
         del pool
         free_device_memory()
     shares = [f"batch {r['batch']} {r['mode']} {r['share_of_floor']:.0%}" for r in rows]
-    return dict(rows=rows, summary=f"share of the bandwidth floor: {', '.join(shares)} (target: "
-                "batch 1 with graphs >= 90%)")
+    return dict(
+        rows=rows,
+        summary=f"share of the bandwidth floor: {', '.join(shares)} (target: "
+        "batch 1 with graphs >= 90%)",
+    )
 
 
 def bench_decode_beside_write_through(device: str = "cuda") -> float:
@@ -1132,17 +1375,23 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
     alone = statistics.median(seconds(step) for _ in range(ITERS))
     max_blocks = max(1, int(alone * sw.bandwidth / sw.block_bytes))  # as Scheduler.after_step
     beside = statistics.median(write_through_then_step() for _ in range(ITERS))
-    print(f"decode step, Llama-3-8B shape, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: "
-          f"{alone * 1e3:.1f} ms alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} "
-          f"blocks ({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it")
+    print(
+        f"decode step, Llama-3-8B shape, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: "
+        f"{alone * 1e3:.1f} ms alone; {beside * 1e3:.1f} ms with a write-through of {max_blocks} "
+        f"blocks ({max_blocks * sw.block_bytes / 1e6:.0f} MB) queued before it"
+    )
     return beside / alone - 1
 
 
 def run_cuda_tests() -> dict:
     """The test suite's `cuda`-marked tests, compiled kernels on the real device."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"],
-                         capture_output=True, text=True, cwd=Path(__file__).parent,
-                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "test_all.py"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+    )
     last = (out.stdout.strip().splitlines() or ["no output"])[-1]
     if out.returncode != 0:
         raise RuntimeError(f"{last}\n{out.stdout[-3000:]}")
@@ -1156,15 +1405,23 @@ def burst_check(args: argparse.Namespace) -> dict:
     print(table(runs))
     f, t = (r.summary for r in runs)
     gain = t["effective_throughput"] / f["effective_throughput"]
-    return dict(policies={r.name: r.summary for r in runs}, engine=info["engine"],
-                summary=f"TTFT p99 {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} s, effective "
-                f"throughput {gain:.2f}x (fcfs -> tokenflow, {len(w)} requests)")
+    return dict(
+        policies={r.name: r.summary for r in runs},
+        engine=info["engine"],
+        summary=f"TTFT p99 {f['ttft_p99']:.2f} -> {t['ttft_p99']:.2f} s, effective "
+        f"throughput {gain:.2f}x (fcfs -> tokenflow, {len(w)} requests)",
+    )
 
 
 def gpu_check(args: argparse.Namespace) -> dict:
     """--gpu-check's steps in order, or --kernels and --transfers; GPU steps skip without one."""
-    steps = {"cuda tests": run_cuda_tests, "kernels": bench_kernels, "transfers": bench_transfers,
-             "decode": bench_decode_speed, "burst": lambda: burst_check(args)}
+    steps = {
+        "cuda tests": run_cuda_tests,
+        "kernels": bench_kernels,
+        "transfers": bench_transfers,
+        "decode": bench_decode_speed,
+        "burst": lambda: burst_check(args),
+    }
     results = {}
     flagged = [n for n in ("kernels", "transfers") if getattr(args, n)]
     for name in list(steps) if args.gpu_check else flagged:
@@ -1194,67 +1451,138 @@ def gpu_check(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = ap.add_argument
     work = ap.add_mutually_exclusive_group().add_argument
     work("--burst", type=int, metavar="N", help="N requests, all arriving at t=0")
     work("--poisson", type=float, metavar="RATE", help="Poisson arrivals, RATE requests/s")
-    work("--trace", metavar="FILE", help="replay a CSV of arrival_s,prompt_tokens,output_tokens "
-         f"(data/azure_code_burst_10min.csv: the {TRACE_CREDIT}) or a Mooncake JSONL")
+    work(
+        "--trace",
+        metavar="FILE",
+        help="replay a CSV of arrival_s,prompt_tokens,output_tokens "
+        f"(data/azure_code_burst_10min.csv: the {TRACE_CREDIT}) or a Mooncake JSONL",
+    )
     work("--multi-turn", type=int, metavar="N", help="N conversations of --turns turns each")
     add("--turns", type=int, default=3, help="--multi-turn: turns per conversation (default: 3)")
     add("--think-time", type=float, default=5.0, help="--multi-turn: mean s before a next turn")
-    add("--trace-block", type=int, default=TRACE_BLOCK, help="tokens per Mooncake hash id; "
-        "prompt lengths scale along (default: %(default)s, as recorded)")
+    add(
+        "--trace-block",
+        type=int,
+        default=TRACE_BLOCK,
+        help="tokens per Mooncake hash id; "
+        "prompt lengths scale along (default: %(default)s, as recorded)",
+    )
     add("--conversations", type=int, metavar="K", help="replay a Mooncake trace's first K chats")
     add("--duration", type=float, default=60.0, help="s of Poisson arrivals (default: 60)")
     add("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
     add("--prompt-len", help="prompt (--multi-turn: message) tokens MEAN[:SPREAD] (default: 64:16)")
     add("--output-len", default="128:32", help="output tokens, MEAN[:SPREAD] (default: 128:32)")
-    add("--read-rate", default="auto", help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
-        "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)")
-    add("--ttft-slo", type=float, metavar="S", help="the TTFT SLO whose attainment is reported "
-        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} on a CPU)")
+    add(
+        "--read-rate",
+        default="auto",
+        help=f"readers' tokens/s: RATE[:SHARE],... ({PAPER_MIX} "
+        "is the paper's) or auto: the paper's mix scaled to the measured engine (default: auto)",
+    )
+    add(
+        "--ttft-slo",
+        type=float,
+        metavar="S",
+        help="the TTFT SLO whose attainment is reported "
+        f"(default: {TTFT_SLO} s on a GPU or its simulation, {TTFT_SLO * CPU_SLO_SCALE} on a CPU)",
+    )
     add("--seed", type=int, default=0, help="seeds arrivals, lengths and rates (default: 0)")
     add("--policies", default="fcfs,tokenflow", help="run in turn (default: %(default)s)")
     add("--simulate", action="store_true", help="a simulated engine on a virtual clock (sim.py)")
-    add("--preset", default="h200-llama3-8b", choices=PRESETS, metavar="NAME",
-        help="--simulate's cost model: %(choices)s (default: %(default)s)")
+    add(
+        "--preset",
+        default="h200-llama3-8b",
+        choices=PRESETS,
+        metavar="NAME",
+        help="--simulate's cost model: %(choices)s (default: %(default)s)",
+    )
     add("--replicas", type=int, metavar="N", help="--simulate N replicas behind --router")
-    add("--router", default="least-queue", help=f"--replicas: {', '.join(ROUTERS)}, or several "
-        "with commas, each run in turn (default: %(default)s)")
-    add("--find-replicas", action="store_true", help="--replicas: search the fewest replicas "
-        f"where {GOOD_SHARE * 100:.0f}%% of requests reach QoE >= 0.95, from --replicas up or down")
-    add("--scrape-interval", type=float, default=1.0, help="--replicas: s between the router's "
-        "scrapes of /metrics (default: %(default)s)")
+    add(
+        "--router",
+        default="least-queue",
+        help=f"--replicas: {', '.join(ROUTERS)}, or several "
+        "with commas, each run in turn (default: %(default)s)",
+    )
+    add(
+        "--find-replicas",
+        action="store_true",
+        help="--replicas: search the fewest replicas "
+        f"where {GOOD_SHARE * 100:.0f}%% of requests reach QoE >= 0.95, from --replicas up or down",
+    )
+    add(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="--replicas: s between the router's scrapes of /metrics (default: %(default)s)",
+    )
     add("--uncharged", action="store_true", help="--simulate: scheduler CPU time off the clock")
-    add("--jitter", type=float, default=0.0, metavar="F", help="--simulate: each step's time "
-        f"times a random factor in [1-F, 1+F] (default: 0; {REPEAT_JITTER} with --repeat)")
+    add(
+        "--jitter",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="--simulate: each step's time "
+        f"times a random factor in [1-F, 1+F] (default: 0; {REPEAT_JITTER} with --repeat)",
+    )
     add("--jitter-seed", type=int, default=0, help="seeds --jitter (default: 0)")
-    add("--repeat", type=int, default=1, metavar="K", help="--matrix: each row K times (jitter "
-        "seeds 0..K-1): its worst run and how many of K pass")
+    add(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="K",
+        help="--matrix: each row K times (jitter "
+        "seeds 0..K-1): its worst run and how many of K pass",
+    )
     add("--calibrate", action="store_true", help="fit a cost model to this engine and print it")
-    add("--fidelity", action="store_true", help="the workload on this engine and on the "
-        "simulator with a cost model fitted in the same run: the simulator's error per metric")
-    add("--regimes", nargs="?", const="", metavar="FILTER", help="the real engine's regime set "
+    add(
+        "--fidelity",
+        action="store_true",
+        help="the workload on this engine and on the "
+        "simulator with a cost model fitted in the same run: the simulator's error per metric",
+    )
+    add(
+        "--regimes",
+        nargs="?",
+        const="",
+        metavar="FILTER",
+        help="the real engine's regime set "
         "(FILTER: by name), both policies, --repeat K (default 2) with the order alternating, "
-        "beside the simulator fitted in the same run")
+        "beside the simulator fitted in the same run",
+    )
     add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
-    add("--kv-frac", type=float, help="device KV pool: share of the workload at full length "
-        f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, else all memory)")
-    add("--host-kv-gb", type=float, help="host memory (GiB) for swapped-out and cached KV "
-        f"(default: {EngineConfig.host_kv_gb}; --simulate: the preset's)")
+    add(
+        "--kv-frac",
+        type=float,
+        help="device KV pool: share of the workload at full length "
+        f"(default: {DEFAULT_KV_FRAC} for --burst and --poisson, else all memory)",
+    )
+    add(
+        "--host-kv-gb",
+        type=float,
+        help="host memory (GiB) for swapped-out and cached KV "
+        f"(default: {EngineConfig.host_kv_gb}; --simulate: the preset's)",
+    )
     add("--context", type=int, default=8192, help="--http: clamp lengths to this (default: 8192)")
     add("--json", metavar="PATH", help="write the config and each policy's metrics as JSON")
     add("--plot", metavar="PATH", help="write a PNG of buffers over time and TTFT CDFs")
     add("--kernels", action="store_true", help="time the decode attention kernel (GPU only)")
     add("--transfers", action="store_true", help="time KV swaps and write-through (GPU only)")
     add("--gpu-check", action="store_true", help="cuda tests, kernels, transfers, decode, burst")
-    add("--matrix", nargs="?", const="", metavar="FILTER", help="--simulate the regimes (FILTER: "
-        "by name) under both policies: a verdict per row")
+    add(
+        "--matrix",
+        nargs="?",
+        const="",
+        metavar="FILTER",
+        help="--simulate the regimes (FILTER: by name) under both policies: a verdict per row",
+    )
     add("--sched-cost", action="store_true", help="time a decision at 256, 1024 and 4096 running")
     args = ap.parse_args(argv)
     workload = (args.burst, args.poisson, args.trace, args.multi_turn)
@@ -1272,18 +1600,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--conversations takes the conversations of a Mooncake trace (--trace *.jsonl)")
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
-    if args.replicas is not None and (not args.simulate or args.multi_turn or args.replicas < 1
-                                      or args.scrape_interval <= 0):
+    if args.replicas is not None and (
+        not args.simulate or args.multi_turn or args.replicas < 1 or args.scrape_interval <= 0
+    ):
         ap.error("--replicas N (>= 1) needs --simulate and no --multi-turn; --scrape-interval > 0")
     if not set(args.router.split(",")) <= set(ROUTERS):
         ap.error(f"--router: choose from {', '.join(ROUTERS)}")
-    if args.fidelity and (args.read_rate == "auto" or args.simulate or args.http
-                          or args.replicas or not any(workload)):
-        ap.error("--fidelity needs a workload, --read-rate (both sides read the same) and the "
-                 "real engine (no --simulate, --http or --replicas)")
+    if args.fidelity and (
+        args.read_rate == "auto" or args.simulate or args.http or args.replicas or not any(workload)
+    ):
+        ap.error(
+            "--fidelity needs a workload, --read-rate (both sides read the same) and the "
+            "real engine (no --simulate, --http or --replicas)"
+        )
     if args.http and (args.read_rate == "auto" or args.multi_turn):
-        ap.error("--http needs --read-rate (auto measures an engine in this process) and no "
-                 "--multi-turn (a later turn needs the answer's tokens)")
+        ap.error(
+            "--http needs --read-rate (auto measures an engine in this process) and no "
+            "--multi-turn (a later turn needs the answer's tokens)"
+        )
     return args
 
 
@@ -1331,27 +1665,38 @@ def serving_bench(args: argparse.Namespace) -> None:
     if "threads" in info:
         print(f"compute: {info['threads']}")
     if "kv_blocks" in info:
-        print(f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
-              f"{info['probe_batch']} of the {len(w)} requests at full length")
+        print(
+            f"KV memory: {info['kv_blocks']} blocks of {BLOCK_SIZE} tokens hold "
+            f"{info['probe_batch']} of the {len(w)} requests at full length"
+        )
     print(f"readers: {info['rates']}; TTFT SLO {info['ttft_slo']} s")
     if "prefill_rate" in info and not w.follows:
         ceiling = ttft_slo_ceiling(w, info["prefill_rate"], info["ttft_slo"])
-        print(f"TTFT <= SLO ceiling: {ceiling:.0%} (every prompt in arrival order at the measured "
-              f"{info['prefill_rate']:.0f} prompt tokens/s, nothing else computed)")
+        print(
+            f"TTFT <= SLO ceiling: {ceiling:.0%} (every prompt in arrival order at the measured "
+            f"{info['prefill_rate']:.0f} prompt tokens/s, nothing else computed)"
+        )
     if w.block_ids:  # the trace's ids as far as the (clamped) prompts reach
-        ids = [b[:cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
+        ids = [b[: cdiv(p, w.block_tokens)] for b, p in zip(w.block_ids, w.prompt_len)]
         capacity = (info["kv_blocks"] + info["host_blocks"]) * BLOCK_SIZE // w.block_tokens
-        print(f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
-              f"{w.block_tokens}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
-              f"{lru_hit_rate(ids, math.inf):.1%}")
+        print(
+            f"plain LRU of the trace's hash ids at the same capacity ({capacity} blocks of "
+            f"{w.block_tokens}): {lru_hit_rate(ids, capacity):.1%} prefix hits; unbounded: "
+            f"{lru_hit_rate(ids, math.inf):.1%}"
+        )
     print(table(runs))
     for run in runs:
         if run.machine:
             print(describe_machine(run.name, run.machine))
-    config = {**vars(args), "tokenflow": dataclasses.asdict(args.tokenflow or TokenFlowConfig()),
-              **info, "mean_rate": sum(w.rate) / len(w), "workload": w.source,
-              "machine": f"{platform.platform()}, {info.get('threads', 'simulated')}",
-              **({"trace_credit": credit} if args.trace else {})}
+    config = {
+        **vars(args),
+        "tokenflow": dataclasses.asdict(args.tokenflow or TokenFlowConfig()),
+        **info,
+        "mean_rate": sum(w.rate) / len(w),
+        "workload": w.source,
+        "machine": f"{platform.platform()}, {info.get('threads', 'simulated')}",
+        **({"trace_credit": credit} if args.trace else {}),
+    }
     if args.json:
         policies = {r.name: {**r.summary, "machine": r.machine} for r in runs}
         Path(args.json).write_text(json.dumps({"config": config, "policies": policies}, indent=2))
@@ -1367,13 +1712,19 @@ def matrix(args: argparse.Namespace) -> None:
     print(f"trace: {TRACE_CREDIT}\n{base} plus each row's arguments\n{MATRIX_HEAD}")
     results = []
     for row in (row for row in MATRIX if args.matrix in row[0]):
-        runs = [r for i in range(args.repeat)
-                for r in run_matrix([row], f"{base} --jitter-seed {i}")]
+        runs = [
+            r for i in range(args.repeat) for r in run_matrix([row], f"{base} --jitter-seed {i}")
+        ]
         worst = max(runs, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
         passes = sum(not r[3] for r in runs)
         print(matrix_row(*worst, f"{passes}/{len(runs)} pass" if len(runs) > 1 else ""), flush=True)
-        results.append({**dict(zip(("regime", "fcfs", "tokenflow", "misses"), worst)),
-                        "passes": passes, "runs": len(runs)})
+        results.append(
+            {
+                **dict(zip(("regime", "fcfs", "tokenflow", "misses"), worst)),
+                "passes": passes,
+                "runs": len(runs),
+            }
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

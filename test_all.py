@@ -48,10 +48,19 @@ nanoflow.model.CPU_DTYPE = torch.float32
 
 # ---------------------------------------------------------------- fixtures: small random checkpoints
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tokenizer(path, vocab_size: int) -> None:
@@ -61,12 +70,20 @@ def write_tokenizer(path, vocab_size: int) -> None:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, once upon a time"] * 8,
-                           trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog", "hello world, once upon a time"] * 8,
+        trainer,
+    )
     tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"})
+    )
 
 
 def write_checkpoint(path, arch: str, seed: int = 0, **overrides):
@@ -75,16 +92,28 @@ def write_checkpoint(path, arch: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     if arch == "llama":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-        cfg = LlamaConfig(**{**TINY, **overrides}, rope_scaling=rope, rope_theta=500000.0, eos_token_id=2)
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
+        cfg = LlamaConfig(
+            **{**TINY, **overrides}, rope_scaling=rope, rope_theta=500000.0, eos_token_id=2
+        )
         model = LlamaForCausalLM(cfg)
     else:
         cfg = Qwen2Config(**{**TINY, **overrides}, tie_word_embeddings=True, eos_token_id=2)
         model = Qwen2ForCausalLM(cfg)
         with torch.no_grad():  # random biases, so that a dropped bias shows
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     model.eval().save_pretrained(path, max_shard_size="100KB" if arch == "llama" else "1GB")
     write_tokenizer(path, cfg.vocab_size)
@@ -115,7 +144,9 @@ def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     table: list[int] = []
     assert eng.kv.grow(table, len(prompt))
     meta, positions = build_metadata([table], [0], [len(prompt)], 0, eng.kv.block_size, eng.device)
-    logits = eng.model(torch.tensor(prompt), positions, eng.kv_caches, meta, torch.arange(len(prompt)))
+    logits = eng.model(
+        torch.tensor(prompt), positions, eng.kv_caches, meta, torch.arange(len(prompt))
+    )
     eng.kv.free(table)
     return logits
 
@@ -135,8 +166,13 @@ def test_greedy_matches_transformers_generate(tiny):
     prompts = random_prompts(3, TINY["vocab_size"], seed=2, lengths=(5, 60))
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == ref
         assert out.finish_reason == "length"
 
@@ -154,7 +190,7 @@ def test_continuous_batching_matches_one_by_one(tiny):
     batched = LLM(path, device="cpu", num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=6)
     params = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(16)]
     outs = batched.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [e[:8 + i] for i, e in enumerate(expected)]
+    assert [o.token_ids for o in outs] == [e[: 8 + i] for i, e in enumerate(expected)]
 
 
 def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
@@ -164,9 +200,12 @@ def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
     the batches are the same in every run, however loaded the machine."""
     path, _ = tiny
     prompts = random_prompts(12, TINY["vocab_size"], seed=5, lengths=(1, 60))
-    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
-              for i in range(12)]
-    options = dict(device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64, policy="fcfs")
+    params = [
+        SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(12)
+    ]
+    options = dict(
+        device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64, policy="fcfs"
+    )
     eager, padded = LLM(path, **options), LLM(path, **options)
     graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
     assert graphs.sizes == [1, 2, 4, 7]
@@ -183,8 +222,12 @@ def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
 def test_small_pool_preempts_and_frees_everything(tiny, policy):
     path, _ = tiny
     prompts = random_prompts(8, TINY["vocab_size"], seed=4, lengths=(20, 60))
-    expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=128).generate(prompts, GREEDY)]
-    small = LLM(path, device="cpu", num_kv_blocks=12, policy=policy)  # 192 slots; the 8 requests need ~600
+    expected = [
+        o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=128).generate(prompts, GREEDY)
+    ]
+    small = LLM(
+        path, device="cpu", num_kv_blocks=12, policy=policy
+    )  # 192 slots; the 8 requests need ~600
     reqs_seen = []
     real_step = small.engine.step
 
@@ -215,23 +258,28 @@ def test_errors_name_the_problem(tmp_path, tiny):
         LLM(path, device="cpu", num_kv_blocks=8, max_model_len=600)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(path, device="cpu", gpu_memory_utilization=1.5)
-    for bad, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-                       (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
-                       (dict(stop=[""]), "stop"), (dict(seed="x"), "seed"),
-                       (dict(min_p=2), "min_p"),
-                       (dict(presence_penalty=3), "presence"),
-                       (dict(repetition_penalty=0), "repetition"),
-                       (dict(logit_bias={"a": 1}), "logit_bias"),
-                       (dict(logit_bias={5: 101}), "logit_bias"),
-                       (dict(min_tokens=9, max_tokens=8), "min_tokens"),
-                       (dict(stop_token_ids=[-1]), "stop_token_ids"),
-                       (dict(logprobs=21), "logprobs")]:
+    for bad, field in [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop=[""]), "stop"),
+        (dict(seed="x"), "seed"),
+        (dict(min_p=2), "min_p"),
+        (dict(presence_penalty=3), "presence"),
+        (dict(repetition_penalty=0), "repetition"),
+        (dict(logit_bias={"a": 1}), "logit_bias"),
+        (dict(logit_bias={5: 101}), "logit_bias"),
+        (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(logprobs=21), "logprobs"),
+    ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="logit_bias"):
-        llm.generate([[5]], SamplingParams(logit_bias={10 ** 6: 1}))
+        llm.generate([[5]], SamplingParams(logit_bias={10**6: 1}))
     # a broken checkpoint: wrong architecture, then a missing tensor
     cfg = json.loads((path / "config.json").read_text())
     bad = tmp_path / "bad"
@@ -266,15 +314,21 @@ def test_sampling_seeded_topk_and_stops(tiny):
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
     a, b = llm.generate([prompt, prompt], sampled)
     assert a.token_ids == b.token_ids  # same seed, same tokens, even when batched together
-    c = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, seed=8, ignore_eos=True))[0]
+    c = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=16, seed=8, ignore_eos=True)
+    )[0]
     assert c.token_ids != a.token_ids
     greedy = llm.generate([prompt], GREEDY)[0]
-    top1 = llm.generate([prompt], SamplingParams(temperature=0.7, top_k=1, max_tokens=32, seed=1, ignore_eos=True))[0]
+    top1 = llm.generate(
+        [prompt], SamplingParams(temperature=0.7, top_k=1, max_tokens=32, seed=1, ignore_eos=True)
+    )[0]
     assert top1.token_ids == greedy.token_ids
     # a stop string cuts the text before it; max_tokens gives "length"
     stop = greedy.text[5:8]
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop]))[0]
-    assert cut.finish_reason == "stop" and cut.text == greedy.text[:greedy.text.find(stop)]
+    cut = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop])
+    )[0]
+    assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.find(stop)]
 
 
 def test_eos_stops_unless_ignored(tiny):
@@ -284,7 +338,10 @@ def test_eos_stops_unless_ignored(tiny):
     free_run = llm.generate([prompt], GREEDY)[0].token_ids
     llm.tokenizer.eos_token_ids = [free_run[3]]  # pretend the 4th token is EOS
     stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0]
-    assert stopped.token_ids == free_run[:free_run.index(free_run[3]) + 1] and stopped.finish_reason == "stop"
+    assert (
+        stopped.token_ids == free_run[: free_run.index(free_run[3]) + 1]
+        and stopped.finish_reason == "stop"
+    )
     assert llm.generate([prompt], GREEDY)[0].token_ids == free_run
 
 
@@ -292,14 +349,29 @@ def test_a_request_ends_with_length_exactly_at_the_context(tiny):
     path, _ = tiny
     llm = LLM(path, device="cpu", num_kv_blocks=128)
     context = TINY["max_position_embeddings"]
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # more than the context leaves room for
-    prompts = [random_prompts(1, TINY["vocab_size"], seed=14, lengths=(n, n))[0] for n in (context - 12, context - 1)]
+    params = SamplingParams(
+        temperature=0, max_tokens=100, ignore_eos=True
+    )  # more than the context leaves room for
+    prompts = [
+        random_prompts(1, TINY["vocab_size"], seed=14, lengths=(n, n))[0]
+        for n in (context - 12, context - 1)
+    ]
     outs = llm.generate(prompts, params)
-    assert [len(o.token_ids) for o in outs] == [12, 1]  # prompt + output fill the context, not a token more
+    assert [len(o.token_ids) for o in outs] == [
+        12,
+        1,
+    ]  # prompt + output fill the context, not a token more
     assert [o.finish_reason for o in outs] == ["length"] * 2
 
 
-SAMPLER_PROBS = [0.04, 0.4, 0.1, 0.25, 0.06, 0.15]  # a vocabulary of 6, not sorted: order must not matter
+SAMPLER_PROBS = [
+    0.04,
+    0.4,
+    0.1,
+    0.25,
+    0.06,
+    0.15,
+]  # a vocabulary of 6, not sorted: order must not matter
 
 
 def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> list[float]:
@@ -308,7 +380,7 @@ def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 
     set whose mass reaches top_p."""
     w = [p ** (1 / temperature) for p in SAMPLER_PROBS]
     w = [x if x >= min_p * max(w) else 0.0 for x in w]
-    order = sorted(range(len(w)), key=lambda i: -w[i])[:top_k if top_k > 0 else None]
+    order = sorted(range(len(w)), key=lambda i: -w[i])[: top_k if top_k > 0 else None]
     total, kept, mass = sum(w[i] for i in order), [], 0.0
     for i in order:
         if mass >= top_p:
@@ -320,17 +392,31 @@ def expected_probs(temperature: float, top_k: int, top_p: float, min_p: float = 
 
 def sampling_row(params: SamplingParams, generator=None, prompt=(), output=()):
     """What the sampler reads of a request."""
-    return types.SimpleNamespace(params=params, generator=generator, prompt_token_ids=list(prompt),
-                                 output_token_ids=list(output), num_output_tokens=len(output))
+    return types.SimpleNamespace(
+        params=params,
+        generator=generator,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        num_output_tokens=len(output),
+    )
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 3, 1.0, 0.0),  # 0.4, 0.25, 0.15 renormalized
-    (1.0, -1, 0.6, 0.0),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
-    (0.5, -1, 1.0, 0.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
-    (2.0, 4, 0.8, 0.0),  # sqrt(p), the top 4, then their top 3 (0.83 of their mass before the 4th)
-    (1.0, 0, 1.0, 0.3),  # 0 = no top_k; tokens at least 0.12 likely: 0.4, 0.25, 0.15
-    (1.0, 2, 0.5, 0.5)])  # min_p keeps 0.4, 0.25; top_k 2 the same; top_p 0.5 of (0.62, 0.38): 0.4
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 3, 1.0, 0.0),  # 0.4, 0.25, 0.15 renormalized
+        (1.0, -1, 0.6, 0.0),  # 0.4 and 0.25: 0.65 of mass lies before 0.15
+        (0.5, -1, 1.0, 0.0),  # p^2 / sum p^2: 0.615 for the likeliest instead of 0.4
+        (
+            2.0,
+            4,
+            0.8,
+            0.0,
+        ),  # sqrt(p), the top 4, then their top 3 (0.83 of their mass before the 4th)
+        (1.0, 0, 1.0, 0.3),  # 0 = no top_k; tokens at least 0.12 likely: 0.4, 0.25, 0.15
+        (1.0, 2, 0.5, 0.5),
+    ],
+)  # min_p keeps 0.4, 0.25; top_k 2 the same; top_p 0.5 of (0.62, 0.38): 0.4
 def test_sampler_draws_from_the_right_distribution(temperature, top_k, top_p, min_p):
     n = 4000
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -365,11 +451,15 @@ def test_sampler_penalties_match_a_per_row_reference():
     rows = []
     for i in range(12):
         bias = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}
-        params = SamplingParams(temperature=rng.choice([0, 0.8]), logit_bias=bias,
-                                presence_penalty=rng.uniform(-2, 2),
-                                frequency_penalty=rng.uniform(-2, 2),
-                                repetition_penalty=rng.uniform(0.5, 2), min_tokens=rng.randrange(6),
-                                stop_token_ids=[rng.randrange(vocab)])
+        params = SamplingParams(
+            temperature=rng.choice([0, 0.8]),
+            logit_bias=bias,
+            presence_penalty=rng.uniform(-2, 2),
+            frequency_penalty=rng.uniform(-2, 2),
+            repetition_penalty=rng.uniform(0.5, 2),
+            min_tokens=rng.randrange(6),
+            stop_token_ids=[rng.randrange(vocab)],
+        )
         if i % 4 == 0:  # some rows use none of it: the batch mixes them
             params = SamplingParams(temperature=params.temperature)
         prompt, output = random_prompts(2, vocab, seed=i, lengths=(0, 30))
@@ -411,8 +501,10 @@ def test_chat_template_is_applied(tiny):
     llm = LLM(path, device="cpu", num_kv_blocks=64)
     conv = [{"role": "user", "content": "hello world"}]
     ids = llm.tokenizer.apply_chat_template(conv)
-    assert llm.tokenizer.tk.decode(ids, skip_special_tokens=False) == \
-        "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        llm.tokenizer.tk.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert llm.chat(conv, GREEDY)[0].token_ids == llm.generate([ids], GREEDY)[0].token_ids
 
 
@@ -430,12 +522,16 @@ def demo_hf():
 
     path = demo_checkpoint()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return tok, model.eval()
 
 
 def test_demo_model_knows_paris(demo):
-    out = demo.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    out = demo.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[
+        0
+    ]
     assert "Paris" in out.text
 
 
@@ -443,41 +539,72 @@ def test_demo_model_matches_transformers(demo, demo_hf):
     tok, model = demo_hf
     ids = tok("Once upon a time")["input_ids"]
     assert ids == demo.tokenizer.encode("Once upon a time")
-    ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
-    assert demo.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids == ref
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[
+        0, len(ids) :
+    ].tolist()
+    assert (
+        demo.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[
+            0
+        ].token_ids
+        == ref
+    )
 
 
-@pytest.mark.parametrize("text", ["1234567 + 89 = 1234656", "  two  spaces\n\n\ttab   end ", "<|im_start|>user\nhi<|im_end|>",
-                                  "café naïve Ærøskøbing", "emoji 😀🎉 and 日本語", "don't I'll we're"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1234567 + 89 = 1234656",
+        "  two  spaces\n\n\ttab   end ",
+        "<|im_start|>user\nhi<|im_end|>",
+        "café naïve Ærøskøbing",
+        "emoji 😀🎉 and 日本語",
+        "don't I'll we're",
+    ],
+)
 def test_gguf_tokenizer_matches_transformers(demo, demo_hf, text):
     tok, _ = demo_hf
     assert demo.tokenizer.encode(text) == tok(text)["input_ids"]
-    assert demo.tokenizer.decode(tok(text)["input_ids"]) == tok.decode(tok(text)["input_ids"], skip_special_tokens=True)
+    assert demo.tokenizer.decode(tok(text)["input_ids"]) == tok.decode(
+        tok(text)["input_ids"], skip_special_tokens=True
+    )
 
 
 def test_demo_chat_stops_at_end_of_turn(demo):
-    out = demo.chat([{"role": "user", "content": "What is the capital of France?"}],
-                    SamplingParams(temperature=0, max_tokens=64))[0]
+    out = demo.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=64),
+    )[0]
     assert out.finish_reason == "stop" and "Paris" in out.text and "<|im_end|>" not in out.text
 
 
-@pytest.mark.parametrize("text", ["emoji 👩‍💻🇫🇷😀🎉 and 日本語の文章, 한국어", "combining e\u0301 n\u0303 z\u0308\u0301 Ω≈ç√"])
+@pytest.mark.parametrize(
+    "text",
+    ["emoji 👩‍💻🇫🇷😀🎉 and 日本語の文章, 한국어", "combining e\u0301 n\u0303 z\u0308\u0301 Ω≈ç√"],
+)
 def test_demo_detokenizer_streams_characters_split_across_tokens(demo, text):
     """SmolLM2's byte-level BPE spreads these characters' bytes over tokens (a token may hold a space and the first
     bytes of an emoji): the stream holds a piece back until its characters are whole, then sends all of it."""
     tok = demo.tokenizer
     ids = tok.encode(text)
-    assert tok.decode(ids) == text and sum("\ufffd" in tok.decode([i]) for i in ids) >= 5  # the test has teeth
+    assert (
+        tok.decode(ids) == text and sum("\ufffd" in tok.decode([i]) for i in ids) >= 5
+    )  # the test has teeth
     detok, streamed = IncrementalDetokenizer(tok), ""
     for i in range(1, len(ids) + 1):  # one token per step, as the engine feeds it
         streamed += detok.step(ids[:i])
         so_far = tok.decode(ids[:i])  # a split character shows as U+FFFD at its end
-        assert so_far.rstrip("\ufffd").startswith(streamed) and (streamed == so_far or "\ufffd" in so_far)
+        assert so_far.rstrip("\ufffd").startswith(streamed) and (
+            streamed == so_far or "\ufffd" in so_far
+        )
     assert streamed == text and detok.flush(ids) == ""
-    for cut in range(1, len(ids)):  # cut at every position: the request goes on in one more step, or ends there
+    for cut in range(
+        1, len(ids)
+    ):  # cut at every position: the request goes on in one more step, or ends there
         going_on, ending = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
         assert going_on.step(ids[:cut]) + going_on.step(ids) == text and going_on.flush(ids) == ""
-        assert ending.step(ids[:cut]) + ending.flush(ids[:cut]) == tok.decode(ids[:cut])  # a split character too
+        assert ending.step(ids[:cut]) + ending.flush(ids[:cut]) == tok.decode(
+            ids[:cut]
+        )  # a split character too
 
 
 # ---------------------------------------------------------------- Triton kernels against their torch references
@@ -486,8 +613,10 @@ INTERPRET = os.environ["TRITON_INTERPRET"] != "0"
 DEVICE = "cpu" if INTERPRET else "cuda"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max|a - b| / max|b| of the worst row
 NUM_LAYERS, LAYER = 2, 1  # the kernels see layer 1's views of a two-layer pool
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
-                                reason="needs a CUDA device (and TRITON_INTERPRET unset or 0)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRET,
+    reason="needs a CUDA device (and TRITON_INTERPRET unset or 0)",
+)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -500,32 +629,43 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty / empty_like hand out NaN, so an element a kernel leaves unwritten fails the comparison."""
+
     def poisoned(make):
         def wrapper(*args, **kwargs):
             t = make(*args, **kwargs)
             return t.fill_(float("nan")) if t.is_floating_point() else t
+
         return wrapper
+
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
 
 
-def make_batch(query_lens, seq_lens, num_decodes, block_size, kv_heads, group, head_dim, dtype, device=DEVICE):
+def make_batch(
+    query_lens, seq_lens, num_decodes, block_size, kv_heads, group, head_dim, dtype, device=DEVICE
+):
     """Random q and KV pool, and metadata whose sequences own shuffled blocks of the pool."""
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     ids = torch.randperm(sum(blocks_per_seq) + 3)  # a few blocks belong to nobody
     tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     slots = []
     for i, (n, q_len, s_len) in enumerate(zip(blocks_per_seq, query_lens, seq_lens)):
-        tables[i, :n] = ids[sum(blocks_per_seq[:i]):][:n]
+        tables[i, :n] = ids[sum(blocks_per_seq[:i]) :][:n]
         pos = torch.arange(s_len - q_len, s_len)
         slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
-    pool = torch.randn(len(ids), NUM_LAYERS, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    pool = torch.randn(
+        len(ids), NUM_LAYERS, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device
+    )
     q = torch.randn(sum(query_lens), kv_heads * group, head_dim, dtype=dtype, device=device)
     meta = AttnMetadata(
-        slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        block_tables=tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0] + query_lens, device=device).cumsum(0).to(torch.int32),
-        num_decodes=num_decodes, query_lens=list(query_lens), seq_lens_list=list(seq_lens))
+        num_decodes=num_decodes,
+        query_lens=list(query_lens),
+        seq_lens_list=list(seq_lens),
+    )
     return q, pool, meta
 
 
@@ -537,14 +677,25 @@ def ragged_lens(block_size):
     return [1, block_size - 1, block_size, block_size + 1, 8 * block_size + 3]
 
 
-@pytest.mark.parametrize("block_size,kv_heads,head_dim,dtype", [
-    (16, 2, 64, torch.float32), (32, 3, 128, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "block_size,kv_heads,head_dim,dtype", [(16, 2, 64, torch.float32), (32, 3, 128, torch.bfloat16)]
+)
 def test_store_kv(block_size, kv_heads, head_dim, dtype, monkeypatch):
     monkeypatch.setenv("NANOFLOW_ATTN", "triton")
     query_lens = [1, block_size + 1, 3]
-    _, pool, meta = make_batch(query_lens, [9, block_size + 1, 2 * block_size + 2], 0, block_size, kv_heads, 1,
-                               head_dim, dtype)
-    kv = torch.randn(sum(query_lens), 2, kv_heads, head_dim, dtype=dtype, device=DEVICE)  # k, v: strided views
+    _, pool, meta = make_batch(
+        query_lens,
+        [9, block_size + 1, 2 * block_size + 2],
+        0,
+        block_size,
+        kv_heads,
+        1,
+        head_dim,
+        dtype,
+    )
+    kv = torch.randn(
+        sum(query_lens), 2, kv_heads, head_dim, dtype=dtype, device=DEVICE
+    )  # k, v: strided views
     slots = meta.slot_mapping.clone()
     slots[::4] = -1  # padding rows of a CUDA graph's batch: nothing to store
     real = slots >= 0
@@ -556,14 +707,24 @@ def test_store_kv(block_size, kv_heads, head_dim, dtype, monkeypatch):
         assert torch.equal(written, expected)  # new slots written, all else untouched
 
 
-@pytest.mark.parametrize("block_size,group,head_dim,dtype", [
-    (16, 1, 64, torch.float32), (32, 3, 128, torch.bfloat16), (16, 4, 128, torch.float32),
-    (32, 7, 64, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "block_size,group,head_dim,dtype",
+    [
+        (16, 1, 64, torch.float32),
+        (32, 3, 128, torch.bfloat16),
+        (16, 4, 128, torch.float32),
+        (32, 7, 64, torch.bfloat16),
+    ],
+)
 def test_decode(block_size, group, head_dim, dtype, monkeypatch, nan_empty):
-    monkeypatch.setattr(attention, "DECODE_MIN_SPLIT", attention.DECODE_BLOCK_N)  # several splits to merge
+    monkeypatch.setattr(
+        attention, "DECODE_MIN_SPLIT", attention.DECODE_BLOCK_N
+    )  # several splits to merge
     seq_lens = ragged_lens(block_size)
-    q, pool, meta = make_batch([1] * len(seq_lens), seq_lens, len(seq_lens), block_size, 2, group, head_dim, dtype)
-    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), head_dim ** -0.5)
+    q, pool, meta = make_batch(
+        [1] * len(seq_lens), seq_lens, len(seq_lens), block_size, 2, group, head_dim, dtype
+    )
+    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), head_dim**-0.5)
     out = attention.decode_attention_triton(*args)
     assert out.dtype == dtype
     assert rel_err(out, attention.decode_attention_ref(*args)) <= TOL[dtype]
@@ -573,23 +734,41 @@ def test_decode_default_splits(nan_empty):
     """The launcher's own split choice: a context past DECODE_MIN_SPLIT beside one that fits in a split."""
     seq_lens = [2 * attention.DECODE_MIN_SPLIT + 7, 5]
     q, pool, meta = make_batch([1, 1], seq_lens, 2, 16, 1, 2, 64, torch.float32)
-    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 64 ** -0.5)
-    assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 1e-5
+    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 64**-0.5)
+    assert (
+        rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args))
+        <= 1e-5
+    )
 
 
-@pytest.mark.parametrize("block_size,group,head_dim,dtype", [
-    (16, 1, 128, torch.bfloat16), (32, 4, 64, torch.float32), (16, 7, 64, torch.float32),
-    (32, 3, 128, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "block_size,group,head_dim,dtype",
+    [
+        (16, 1, 128, torch.bfloat16),
+        (32, 4, 64, torch.float32),
+        (16, 7, 64, torch.float32),
+        (32, 3, 128, torch.bfloat16),
+    ],
+)
 def test_extend(block_size, group, head_dim, dtype, nan_empty):
     # (chunk length, cached prefix length): every ragged length, with and without a prefix
-    chunks = [(block_size + 1, 0), (1, 2 * block_size + 5), (block_size - 1, block_size), (block_size, 3),
-              (3 * block_size + 2, block_size + 1)]
+    chunks = [
+        (block_size + 1, 0),
+        (1, 2 * block_size + 5),
+        (block_size - 1, block_size),
+        (block_size, 3),
+        (3 * block_size + 2, block_size + 1),
+    ]
     query_lens = [n for n, _ in chunks]
-    q, pool, meta = make_batch(query_lens, [n + p for n, p in chunks], 0, block_size, 2, group, head_dim, dtype)
-    scale = head_dim ** -0.5
+    q, pool, meta = make_batch(
+        query_lens, [n + p for n, p in chunks], 0, block_size, 2, group, head_dim, dtype
+    )
+    scale = head_dim**-0.5
     out = attention.paged_attention_triton(q, *kv_views(pool), meta, scale)
     assert out.dtype == dtype
-    assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
+    assert (
+        rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
+    )
 
 
 def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
@@ -597,9 +776,14 @@ def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
     range ends at its own last position, far past the chunk's length."""
     block_m = attention.EXTEND_TILES_FP32[0]
     chunks = [(100, 200), (2 * block_m, 129), (block_m + 1, 3)]
-    q, pool, meta = make_batch([n for n, _ in chunks], [n + p for n, p in chunks], 0, 16, 2, 2, 64, torch.float32)
+    q, pool, meta = make_batch(
+        [n for n, _ in chunks], [n + p for n, p in chunks], 0, 16, 2, 2, 64, torch.float32
+    )
     out = attention.paged_attention_triton(q, *kv_views(pool), meta, 0.125)
-    assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, 0.125)) <= TOL[torch.float32]
+    assert (
+        rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, 0.125))
+        <= TOL[torch.float32]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -610,15 +794,21 @@ def test_mixed_step_through_dispatchers(dtype, monkeypatch, nan_empty):
     chunks = [(5, 0), (block_size + 1, 20)]
     query_lens = [1] * len(decode_lens) + [n for n, _ in chunks]
     seq_lens = decode_lens + [n + p for n, p in chunks]
-    q, pool, meta = make_batch(query_lens, seq_lens, len(decode_lens), block_size, kv_heads, group, head_dim, dtype)
+    q, pool, meta = make_batch(
+        query_lens, seq_lens, len(decode_lens), block_size, kv_heads, group, head_dim, dtype
+    )
     k, v = torch.randn(2, len(q), kv_heads, head_dim, dtype=dtype, device=DEVICE)
     outs, pools = {}, {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("NANOFLOW_ATTN", backend)
         pools[backend] = pool.clone()
         attention.store_kv(k, v, *kv_views(pools[backend]), meta.slot_mapping)
-        outs[backend] = attention.paged_attention(q, *kv_views(pools[backend]), meta, head_dim ** -0.5)
-        monkeypatch.setattr(attention, "paged_attention_ref", None)  # the triton pass must not fall back
+        outs[backend] = attention.paged_attention(
+            q, *kv_views(pools[backend]), meta, head_dim**-0.5
+        )
+        monkeypatch.setattr(
+            attention, "paged_attention_ref", None
+        )  # the triton pass must not fall back
     assert torch.equal(pools["triton"], pools["torch"])
     assert rel_err(outs["triton"], outs["torch"]) <= TOL[dtype]
 
@@ -635,6 +825,7 @@ def test_backend_choice(monkeypatch):
 
 def test_auto_dtype():
     from nanoflow.model import auto_dtype
+
     cuda = torch.device("cuda")
     assert auto_dtype(torch.device("cpu"), "bfloat16") == torch.float32  # the tests' CPU_DTYPE
     picks = [auto_dtype(cuda, d) for d in ("float16", "bfloat16", "float32", None)]
@@ -643,8 +834,9 @@ def test_auto_dtype():
 
 def test_kernels_launch_on_their_tensors_device(monkeypatch):
     entered = []
-    monkeypatch.setattr(torch.cuda, "device",
-                        lambda d: entered.append(d) or contextlib.nullcontext())
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext()
+    )
     for device in (torch.device("cuda", 1), torch.device("cpu")):
         with attention.launch_device(device):
             pass
@@ -661,15 +853,19 @@ def test_cuda_llama_mixed_step(monkeypatch):
     chunks = [(512, 0), (100, 1000), (1, 700), (77, 3)]
     query_lens = [1] * len(decode_lens) + [n for n, _ in chunks]
     seq_lens = decode_lens + [n + p for n, p in chunks]
-    q, pool, meta = make_batch(query_lens, seq_lens, len(decode_lens), block_size, kv_heads, group, head_dim, dtype)
+    q, pool, meta = make_batch(
+        query_lens, seq_lens, len(decode_lens), block_size, kv_heads, group, head_dim, dtype
+    )
     k, v = torch.randn(2, len(q), kv_heads, head_dim, dtype=dtype, device=DEVICE)
     expected_pool = pool.clone()
     attention.store_kv_ref(k, v, *kv_views(expected_pool), meta.slot_mapping)
     attention.store_kv(k, v, *kv_views(pool), meta.slot_mapping)
     assert torch.equal(pool, expected_pool)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = attention.paged_attention(q, *kv_views(pool), meta, scale)
-    assert rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
+    assert (
+        rel_err(out, attention.paged_attention_ref(q, *kv_views(pool), meta, scale)) <= TOL[dtype]
+    )
 
 
 @pytest.mark.cuda
@@ -679,18 +875,31 @@ def test_cuda_llama_decode_splits(batch, context):
     """Flash-decoding with the default split heuristic at Llama-3-8B shapes, bf16, compiled."""
     seq_lens = torch.randint(context // 2, context + 1, (batch,)).tolist()
     q, pool, meta = make_batch([1] * batch, seq_lens, batch, 16, 8, 4, 128, torch.bfloat16)
-    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 128 ** -0.5)
-    assert rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args)) <= 2e-2
+    args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 128**-0.5)
+    assert (
+        rel_err(attention.decode_attention_triton(*args), attention.decode_attention_ref(*args))
+        <= 2e-2
+    )
 
 
 # ---------------------------------------------------------------- kernels compiled for GPUs
 
 SMEM_KIB = {80: 163, 86: 99, 89: 99, 90: 227}  # shared memory a block may use, per capability
-GPU_MODELS = {"llama3-8b": (128, 32, 8), "qwen2.5-32b": (128, 40, 8), "qwen2.5-0.5b": (64, 14, 2),
-              "smollm2-135m": (64, 9, 3)}  # head_dim, heads, kv heads
+GPU_MODELS = {
+    "llama3-8b": (128, 32, 8),
+    "qwen2.5-32b": (128, 40, 8),
+    "qwen2.5-0.5b": (64, 14, 2),
+    "smollm2-135m": (64, 9, 3),
+}  # head_dim, heads, kv heads
 KERNELS = ("store_kv", "decode", "merge", "extend")
-POINTERS = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+POINTERS = {
+    "slot_mapping_ptr": "*i64",
+    "block_tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "part_out_ptr": "*fp32",
+    "part_lse_ptr": "*fp32",
+}
 
 
 def kernel_and_config(kernel: str, model: str, dtype: str):
@@ -698,10 +907,12 @@ def kernel_and_config(kernel: str, model: str, dtype: str):
     head_dim, heads, kv_heads = GPU_MODELS[model]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     a, group = attention, heads // kv_heads
-    return {"store_kv": (a._store_kv_kernel, a.store_kv_config(16, kv_heads, head_dim)),
-            "decode": (a._decode_split_kernel, a.decode_config(group, head_dim, 16, torch_dtype)),
-            "merge": (a._decode_merge_kernel, a.merge_config(head_dim, a.DECODE_MAX_SPLITS)),
-            "extend": (a._extend_kernel, a.extend_config(group, head_dim, 16, torch_dtype))}[kernel]
+    return {
+        "store_kv": (a._store_kv_kernel, a.store_kv_config(16, kv_heads, head_dim)),
+        "decode": (a._decode_split_kernel, a.decode_config(group, head_dim, 16, torch_dtype)),
+        "merge": (a._decode_merge_kernel, a.merge_config(head_dim, a.DECODE_MAX_SPLITS)),
+        "extend": (a._extend_kernel, a.extend_config(group, head_dim, 16, torch_dtype)),
+    }[kernel]
 
 
 def compile_kernels(cases: list[list]) -> list[dict]:
@@ -715,29 +926,50 @@ def compile_kernels(cases: list[list]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     from triton.compiler import ASTSource
+
     results = []
     for kernel, model, dtype, cc in cases:
         fn, config = kernel_and_config(kernel, model, dtype)
         options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
         signature, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
-            signature[name] = "constexpr" if name in config else POINTERS.get(name) or (
-                f"*{dtype}" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
+            signature[name] = (
+                "constexpr"
+                if name in config
+                else POINTERS.get(name)
+                or (
+                    f"*{dtype}"
+                    if name.endswith("_ptr")
+                    else "fp32"
+                    if name == "qk_scale"
+                    else "i32"
+                )
+            )
             # pointers and strides are multiples of 16, as a launch specializes them
             if signature[name].startswith("*") or name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(fn, signature, config, attrs), options=options,
-                                  target=GPUTarget("cuda", cc, 32))
+        compiled = triton.compile(
+            ASTSource(fn, signature, config, attrs),
+            options=options,
+            target=GPUTarget("cuda", cc, 32),
+        )
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(compiled.asm["ptx"])
             ptx.flush()
             ptxas = [get_ptxas(cc).path, "-v", f"--gpu-name={sm_arch_from_capability(cc)}"]
-            log = subprocess.run([*ptxas, ptx.name, "-o", os.devnull], capture_output=True,
-                                 text=True, check=True).stderr
+            log = subprocess.run(
+                [*ptxas, ptx.name, "-o", os.devnull], capture_output=True, text=True, check=True
+            ).stderr
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
         shared = compiled.metadata.shared
-        results.append(dict(case=f"{kernel} {model} {dtype} sm_{cc}", shared=shared, spills=spills,
-                            fits=shared <= SMEM_KIB[cc] << 10 and spills == 0))
+        results.append(
+            dict(
+                case=f"{kernel} {model} {dtype} sm_{cc}",
+                shared=shared,
+                spills=spills,
+                fits=shared <= SMEM_KIB[cc] << 10 and spills == 0,
+            )
+        )
     return results
 
 
@@ -745,10 +977,17 @@ def compile_in_subprocess(cases: list[list]) -> list[dict]:
     """compile_kernels in a process that imported triton with TRITON_INTERPRET=0 (the interpreter's
     jit functions cannot be compiled)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    code = ("import json, sys, test_all\n"
-            "print(json.dumps(test_all.compile_kernels(json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True,
-                         text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import json, sys, test_all\n"
+        "print(json.dumps(test_all.compile_kernels(json.loads(sys.argv[1]))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -756,16 +995,21 @@ def compile_in_subprocess(cases: list[list]) -> list[dict]:
 def assert_kernels_fit(cases: list[list]) -> None:
     results = compile_in_subprocess(cases)
     assert len(results) == len(cases)
-    misfits = [f"{r['case']}: {r['shared'] / 1024:.0f} KiB shared, {r['spills']} bytes spilled"
-               for r in results if not r["fits"]]
+    misfits = [
+        f"{r['case']}: {r['shared'] / 1024:.0f} KiB shared, {r['spills']} bytes spilled"
+        for r in results
+        if not r["fits"]
+    ]
     assert not misfits, "\n".join(misfits)
 
 
 def test_kernels_compile_within_each_gpu():
     """A subset (the rest: -m compile_all): Llama-3-8B's shapes on sm_86, the tightest shared memory
     (99 KiB), in bf16 and fp32 (fp32 extend once needed 112 KiB there); the demo's on sm_90."""
-    assert_kernels_fit([[k, "llama3-8b", dtype, 86] for k in KERNELS for dtype in ("bf16", "fp32")]
-                       + [[k, "smollm2-135m", "bf16", 90] for k in KERNELS])
+    assert_kernels_fit(
+        [[k, "llama3-8b", dtype, 86] for k in KERNELS for dtype in ("bf16", "fp32")]
+        + [[k, "smollm2-135m", "bf16", 90] for k in KERNELS]
+    )
 
 
 @pytest.mark.compile_all
@@ -783,8 +1027,14 @@ def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
     llm = LLM(path, device="cpu", num_kv_blocks=32, max_num_batched_tokens=24, host_kv_gb=0.01)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == ref[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
 
 
 def test_triton_engine_matches_torch(tiny, monkeypatch):
@@ -817,7 +1067,10 @@ def check_pools(engine) -> None:
         pending = [b for _, blocks in pool.pending_free for b in blocks]
         assert all(pool.ref_cnt[b] == refs[b] for b in range(pool.num_blocks))
         assert not refs.keys() & (set(pool.free_blocks) | set(pool.evictable) | set(pending))
-        assert len(pool.free_blocks) + len(refs) + len(pool.evictable) + len(pending) == pool.num_blocks
+        assert (
+            len(pool.free_blocks) + len(refs) + len(pool.evictable) + len(pending)
+            == pool.num_blocks
+        )
         assert len(pool.cached) == len(pool.block_hash)
         assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
 
@@ -832,7 +1085,11 @@ def run_checked(llm: LLM, prompts, params):
 
     def step():
         for req in list(engine.scheduler.running):
-            if req.num_computed_tokens > 16 and req.num_computed_tokens % 16 == 1 and req not in crossed:
+            if (
+                req.num_computed_tokens > 16
+                and req.num_computed_tokens % 16 == 1
+                and req not in crossed
+            ):
                 crossed.add(req)
                 engine.scheduler.preempt(req)
         out = real_step()
@@ -868,7 +1125,9 @@ class Forced(FCFS):
     def resume_by_load(self, s, req) -> bool:
         return self.resume == "load"
 
-    def after_step(self, s) -> None:  # copy freshly filled blocks to host, as tokenflow does under pressure
+    def after_step(
+        self, s
+    ) -> None:  # copy freshly filled blocks to host, as tokenflow does under pressure
         super().after_step(s)
         if self.evicts_to_host:
             s.swapper.write_through(s.running, max_blocks=4)
@@ -880,9 +1139,17 @@ def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
     as requests leave and come back in other blocks."""
     path, _ = tiny
     prompts = random_prompts(6, TINY["vocab_size"], seed=10, lengths=(10, 70))
-    expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
-    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
-              policy=Forced(3, resume))
+    expected = [
+        o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)
+    ]
+    llm = LLM(
+        path,
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        host_kv_gb=0.01,
+        policy=Forced(3, resume),
+    )
     if graphs:
         llm.engine.graphs = llm.engine.decode_graphs(capture=False)
     tokens, points = run_checked(llm, prompts, GREEDY)
@@ -891,18 +1158,31 @@ def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
     assert stats[f"resumes_{resume}"] >= 2 * len(prompts) and stats["preemptions"] == len(points)
     assert stats[f"resumes_{'recompute' if resume == 'load' else 'load'}"] == 0
     assert any(0 < done < prompt for done, prompt in points), "no preemption mid-prefill"
-    assert any(done > 16 and done % 16 in (0, 1) for done, _ in points), "none right after a block boundary"
+    assert any(done > 16 and done % 16 in (0, 1) for done, _ in points), (
+        "none right after a block boundary"
+    )
     if resume == "load":
-        assert stats["blocks_written_through"] > 0 and stats["bytes_to_host"] > 0 and stats["bytes_to_device"] > 0
+        assert (
+            stats["blocks_written_through"] > 0
+            and stats["bytes_to_host"] > 0
+            and stats["bytes_to_device"] > 0
+        )
 
 
 def test_host_pool_too_small_falls_back_to_recompute(tiny):
     path, _ = tiny
     prompts = random_prompts(4, TINY["vocab_size"], seed=11, lengths=(30, 60))
-    expected = [o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
+    expected = [
+        o.token_ids for o in LLM(path, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)
+    ]
     one_block = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 4
-    llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=3 * one_block / (1 << 30),  # 3 host blocks
-              policy=Forced(3, "load"))
+    llm = LLM(
+        path,
+        device="cpu",
+        num_kv_blocks=64,
+        host_kv_gb=3 * one_block / (1 << 30),  # 3 host blocks
+        policy=Forced(3, "load"),
+    )
     tokens, _ = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
     assert llm.stats()["resumes_recompute"] > 0
@@ -916,7 +1196,9 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
     exactly a cached run of blocks (its last block must still be computed, for the logits)."""
     rng = random.Random(seed)
     base = [rng.randrange(3, TINY["vocab_size"]) for _ in range(70)]
-    tails = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    tails = [
+        [rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 30))] for _ in range(6)
+    ]
     prompts = [base[:k] + t for k, t in zip((70, 0, 16, 20, 32, 45), tails)]
     return prompts + [prompts[0], base[:32]]
 
@@ -942,14 +1224,22 @@ def test_prefix_caching_gives_identical_tokens(tiny, resume):
     off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
     expected = [o.token_ids for o in off.generate(prompts, GREEDY)]
     assert off.stats()["prefix_hit_tokens"] == 0
-    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
-              policy=Forced(3, resume))
+    llm = LLM(
+        path,
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        host_kv_gb=0.01,
+        policy=Forced(3, resume),
+    )
     for _ in range(2):
         tokens, points = run_checked(llm, prompts, GREEDY)
         assert tokens == expected and points
     stats = llm.stats()
     most = sum((len(p) - 1) // 16 * 16 for p in prompts)  # the second round's bound
-    assert most < stats["prefix_hit_tokens"] and stats["prefix_queried_tokens"] >= 2 * sum(map(len, prompts))
+    assert most < stats["prefix_hit_tokens"] and stats["prefix_queried_tokens"] >= 2 * sum(
+        map(len, prompts)
+    )
 
 
 def test_second_turn_computes_only_its_new_tokens(tiny):
@@ -993,7 +1283,10 @@ def test_second_turn_loads_an_evicted_prefix_from_host(tiny, write_through):
     assert stats["prefix_hit_tokens"] == before["prefix_hit_tokens"]  # nothing left on the device
     assert stats["prefix_host_hit_tokens"] - before["prefix_host_hit_tokens"] == hit
     assert counts[out.request_id] == len(second) - hit + GREEDY.max_tokens - 1
-    assert stats["bytes_to_device"] - before["bytes_to_device"] == hit // 16 * llm.engine.kv.bytes_per_block
+    assert (
+        stats["bytes_to_device"] - before["bytes_to_device"]
+        == hit // 16 * llm.engine.kv.bytes_per_block
+    )
     llm.engine.scheduler.swapper.complete_all()
     check_pools(llm.engine)
 
@@ -1033,7 +1326,9 @@ def test_kv_pool_evicts_cached_blocks_least_recently_used_and_tail_first():
     assert pool.num_free == 6 and len(pool.evictable) == 4 and len(pool.free_blocks) == 2
     assert pool.match_prefix([1, 2, 9]) == first_a[:2] and pool.ref_cnt[first_a[0]] == 1
     c = []
-    pool.grow(c, 12)  # the two free blocks, then the least recently used cached one: b's, not a's tail
+    pool.grow(
+        c, 12
+    )  # the two free blocks, then the least recently used cached one: b's, not a's tail
     assert first_b[1] in c and first_a[2] not in c and pool.cached.keys() == {1, 2, 3}
     pool.grow(c, 16)  # then a's tail before its head (which is referenced anyway)
     assert first_a[2] in c and pool.cached.keys() == {1, 2}
@@ -1043,7 +1338,10 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     path, _ = tiny
     llm = LLM(path, device="cpu", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(10**9, "load"))
     engine = llm.engine
-    reqs = [engine.add_request(p, GREEDY) for p in random_prompts(3, TINY["vocab_size"], seed=12, lengths=(40, 60))]
+    reqs = [
+        engine.add_request(p, GREEDY)
+        for p in random_prompts(3, TINY["vocab_size"], seed=12, lengths=(40, 60))
+    ]
     for _ in range(4):
         engine.step()
     engine.scheduler.preempt(reqs[0])  # evicted: its KV sits in the host pool
@@ -1057,7 +1355,10 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     engine.abort(reqs[2].request_id)
     engine.scheduler.swapper.complete_all()
     check_pools(engine)
-    assert engine.kv.num_free == engine.kv.num_blocks and engine.scheduler.swapper.host.num_free == engine.scheduler.swapper.host.num_blocks
+    assert (
+        engine.kv.num_free == engine.kv.num_blocks
+        and engine.scheduler.swapper.host.num_free == engine.scheduler.swapper.host.num_blocks
+    )
     assert [r.finish_reason for r in reqs] == ["abort"] * 3
 
 
@@ -1070,8 +1371,13 @@ def test_the_host_tier_takes_what_the_device_drops_and_drops_its_copies_first():
     device.kv_cache.copy_(torch.randn(device.kv_cache.shape))
 
     def request(hashes: list[int]) -> types.SimpleNamespace:
-        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=hashes,
-                                    num_host_tokens=0, num_computed_tokens=16)
+        req = types.SimpleNamespace(
+            block_table=[],
+            host_block_table=[],
+            block_hashes=hashes,
+            num_host_tokens=0,
+            num_computed_tokens=16,
+        )
         assert device.grow(req.block_table, 16)
         swapper.demote()  # as the scheduler does before the step that overwrites these blocks
         device.cache_blocks(req.block_table, hashes)
@@ -1082,7 +1388,9 @@ def test_the_host_tier_takes_what_the_device_drops_and_drops_its_copies_first():
     kv = device.kv_cache[a.block_table].clone()
     swapper.release(a)  # cached on the device; on host only copies
     b = request([5, 6, 7, 8])  # takes a's blocks: 3 and 4 are copied to host, 1 and 2 are there
-    assert swapper.counters["blocks_demoted"] == 2 and swapper.counters["blocks_written_through"] == 4
+    assert (
+        swapper.counters["blocks_demoted"] == 2 and swapper.counters["blocks_written_through"] == 4
+    )
     # b's copies took the place of 1 and 2: moved to host's back before 3 and 4 were copied in
     assert host.cached.keys() == {5, 6, 3, 4}
     for i, h in [(2, 3), (3, 4)]:
@@ -1092,15 +1400,20 @@ def test_the_host_tier_takes_what_the_device_drops_and_drops_its_copies_first():
     assert host.grow(c, 8) and host.cached.keys() == {3, 4}  # 5 and 6 are still on the device
     assert device.cached.keys() == {5, 6, 7, 8}
     host.free(c)
-    check_pools(types.SimpleNamespace(kv=device, scheduler=types.SimpleNamespace(
-        running=[], waiting=[], swapper=swapper)))
+    check_pools(
+        types.SimpleNamespace(
+            kv=device, scheduler=types.SimpleNamespace(running=[], waiting=[], swapper=swapper)
+        )
+    )
 
 
 def test_swap_round_trip_across_staging_chunks(monkeypatch):
     """Evict and load copies of scattered blocks in chunks of 3 (the staging buffers' size): every block lands in
     its own slot of the other pool, and no other block of either pool is touched."""
     shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
-    block_bytes = 2 * 2 * 4 * 2 * 8 * 4  # layers x (K, V) x block_size x kv_heads x head_dim x 4 bytes
+    block_bytes = (
+        2 * 2 * 4 * 2 * 8 * 4
+    )  # layers x (K, V) x block_size x kv_heads x head_dim x 4 bytes
     monkeypatch.setattr("nanoflow.swap.STAGING_BYTES", 3 * block_bytes)
     device = KVPool(24, *shape, torch.float32, torch.device("cpu"))
     host = KVPool(20, *shape, torch.float32, torch.device("cpu"), host=True)
@@ -1110,12 +1423,20 @@ def test_swap_round_trip_across_staging_chunks(monkeypatch):
     for pool in (device, host):
         pool.kv_cache.copy_(torch.randn(pool.kv_cache.shape))
         rng.shuffle(pool.free_blocks)  # blocks far apart and out of order on both sides
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
-                                num_computed_tokens=43, load_event=None)
+    req = types.SimpleNamespace(
+        block_table=[],
+        host_block_table=[],
+        block_hashes=[],
+        num_host_tokens=0,
+        num_computed_tokens=43,
+        load_event=None,
+    )
     assert device.grow(req.block_table, 43)  # 11 blocks, the last one partly filled
     kv = device.kv_cache[req.block_table].clone()
     host_before = host.kv_cache.clone()
-    swapper.write_through([req], max_blocks=5)  # blocks 0-4 (chunks of 3 + 2), then evict copies the tail 5-10
+    swapper.write_through(
+        [req], max_blocks=5
+    )  # blocks 0-4 (chunks of 3 + 2), then evict copies the tail 5-10
     assert swapper.evict(req) and not req.block_table and len(req.host_block_table) == 11
     for i, block in enumerate(req.host_block_table):
         assert torch.equal(host.kv_cache[block], kv[i]), f"block {i} of the request"
@@ -1135,8 +1456,13 @@ def test_swapper_pools_die_with_it_without_the_garbage_collector():
     shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
     device, host = KVPool(8, *shape), KVPool(8, *shape, host=True)
     swapper = Swapper(device, host)
-    req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
-                                num_computed_tokens=20)
+    req = types.SimpleNamespace(
+        block_table=[],
+        host_block_table=[],
+        block_hashes=[],
+        num_host_tokens=0,
+        num_computed_tokens=20,
+    )
     assert device.grow(req.block_table, 20)
     swapper.write_through([req], max_blocks=2)
     assert swapper.evict(req) and swapper.out.last_use != [None, None]
@@ -1153,7 +1479,8 @@ def test_pinned_host_pool_pins_exactly_its_bytes_until_it_dies(monkeypatch):
     calls = []
     cudart = types.SimpleNamespace(
         cudaHostRegister=lambda ptr, n, flags: calls.append(("pin", ptr, n)) or 0,
-        cudaHostUnregister=lambda ptr: calls.append(("unpin", ptr)) or 0)
+        cudaHostUnregister=lambda ptr: calls.append(("unpin", ptr)) or 0,
+    )
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     host = KVPool(5, 2, 4, 3, 8, torch.float16, torch.device("cuda"), host=True)
     ptr = host.kv_cache.data_ptr()
@@ -1165,31 +1492,51 @@ def test_pinned_host_pool_pins_exactly_its_bytes_until_it_dies(monkeypatch):
 
 def test_kv_pool_hands_out_each_block_once():
     """The allocator's books: the blocks held and the free list partition the pool after every grow and free."""
-    pool, rng, tables = KVPool(10, 1, 4, 1, 8, torch.float32, torch.device("cpu")), random.Random(1), [[], [], [], []]
+    pool, rng, tables = (
+        KVPool(10, 1, 4, 1, 8, torch.float32, torch.device("cpu")),
+        random.Random(1),
+        [[], [], [], []],
+    )
     for _ in range(200):
         table = rng.choice(tables)
         before, want = list(table), 4 * len(table) + rng.randint(1, 9)
         if rng.random() < 0.3:
             pool.free(table)
         elif pool.grow(table, want):
-            assert table[:len(before)] == before and len(table) == -(-want // 4)
+            assert table[: len(before)] == before and len(table) == -(-want // 4)
         else:
             assert table == before  # a pool too short takes nothing
         held = [b for t in tables for b in t]
-        assert sorted(held + list(pool.free_blocks)) == list(range(10)) and pool.num_free == 10 - len(held)
+        assert sorted(held + list(pool.free_blocks)) == list(
+            range(10)
+        ) and pool.num_free == 10 - len(held)
 
 
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
     path, _ = tiny
-    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, host_kv_gb=0.01, policy=Forced(2, "load"))
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=64,
+        host_kv_gb=0.01,
+        policy=Forced(2, "load"),
+    )
     swapper = llm.engine.scheduler.swapper
     lanes = (swapper.out, swapper.back)
-    assert swapper.host.kv_cache.is_pinned() and all(h.is_pinned() for x in lanes for _, h in x.staging)
+    assert swapper.host.kv_cache.is_pinned() and all(
+        h.is_pinned() for x in lanes for _, h in x.staging
+    )
     assert len({swapper.out.stream, swapper.back.stream, torch.cuda.current_stream()}) == 3
     prompts = random_prompts(4, TINY["vocab_size"], seed=13, lengths=(20, 60))
-    expected = [o.token_ids for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)]
+    expected = [
+        o.token_ids
+        for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64).generate(
+            prompts, GREEDY
+        )
+    ]
     tokens, _ = run_checked(llm, prompts, GREEDY)
     assert tokens == expected and llm.stats()["resumes_load"] > 0
 
@@ -1212,7 +1559,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=128), "127.0.0.1", 0, model="tiny").start()
+    srv = make_server(
+        LLM(ckpt, device="cpu", num_kv_blocks=128), "127.0.0.1", 0, model="tiny"
+    ).start()
     yield srv
     srv.shutdown()
 
@@ -1250,7 +1599,9 @@ def call(server, method: str, path: str, body=None, headers: dict | None = None)
 def open_stream(server, path: str, body: dict) -> tuple[socket.socket, http.client.HTTPResponse]:
     """The socket (the response takes it over from its connection) and the response, headers read."""
     conn = connect(server)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
     sock, resp = conn.sock, conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
     return sock, resp
@@ -1267,7 +1618,7 @@ def sse(resp):
     """(arrival time, chunk) for each `data:` event as it arrives; the chunk of the last is "[DONE]"."""
     while line := resp.readline():
         if line.startswith(b"data: "):
-            data = line[len(b"data: "):].strip()
+            data = line[len(b"data: ") :].strip()
             yield time.monotonic(), "[DONE]" if data == b"[DONE]" else json.loads(data)
 
 
@@ -1278,8 +1629,12 @@ def scrape(server) -> dict[str, float]:
 
 
 def prometheus_values(text: str) -> dict[str, float]:
-    return {k: float(v) for line in text.splitlines() if line and not line.startswith("#")
-            for k, v in [line.rsplit(" ", 1)]}
+    return {
+        k: float(v)
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+        for k, v in [line.rsplit(" ", 1)]
+    }
 
 
 def wait_for(predicate, timeout: float) -> float:
@@ -1293,8 +1648,10 @@ def wait_for(predicate, timeout: float) -> float:
 
 def all_free(server) -> bool:
     m = scrape(server)
-    return (m["nanoflow_running"] == m["nanoflow_waiting"] == m["nanoflow_queued_requests"] == 0
-            and m["nanoflow_device_blocks_free"] == m["nanoflow_device_blocks_total"])
+    return (
+        m["nanoflow_running"] == m["nanoflow_waiting"] == m["nanoflow_queued_requests"] == 0
+        and m["nanoflow_device_blocks_free"] == m["nanoflow_device_blocks_total"]
+    )
 
 
 # ---------------------------------------------------------------- streaming
@@ -1303,54 +1660,85 @@ def all_free(server) -> bool:
 def test_stream_arrives_token_by_token_and_matches_the_whole_answer(server, monkeypatch):
     delay = 0.02
     slow_steps(server, monkeypatch, delay)
-    body = dict(messages=HELLO, max_tokens=24, seed=3, temperature=1.0, ignore_eos=True,
-                stream_options={"include_usage": True})
+    body = dict(
+        messages=HELLO,
+        max_tokens=24,
+        seed=3,
+        temperature=1.0,
+        ignore_eos=True,
+        stream_options={"include_usage": True},
+    )
     _, resp = open_stream(server, CHAT, body)
     events = list(sse(resp))
     chunks = [c for _, c in events[:-1]]
     assert events[-1][1] == "[DONE]"
-    assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+    assert all(
+        c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     finish, usage = chunks[-2], chunks[-1]
-    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert finish["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24
     content = [(t, c["choices"][0]["delta"]["content"]) for t, c in events[1:-3]]
-    assert len(content) >= 6 and all(text for _, text in content)  # a token that ends mid-character waits
+    assert len(content) >= 6 and all(
+        text for _, text in content
+    )  # a token that ends mid-character waits
     # each chunk leaves when its token is generated: the first long before the last (24 steps of >= 20 ms),
     # and (scheduling jitter aside) a step's time apart
     times = [t for t, _ in content]
     assert times[-1] - times[0] > 10 * delay
     assert sum(b - a > delay / 2 for a, b in zip(times, times[1:])) >= len(times) // 2
 
-    status, _, whole = call(server, "POST", CHAT, {k: v for k, v in body.items() if k != "stream_options"})
+    status, _, whole = call(
+        server, "POST", CHAT, {k: v for k, v in body.items() if k != "stream_options"}
+    )
     assert status == 200 and whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"]["content"] == "".join(text for _, text in content)
     assert whole["choices"][0]["finish_reason"] == "length"
-    assert whole["usage"] == {"prompt_tokens": usage["usage"]["prompt_tokens"], "completion_tokens": 24,
-                              "total_tokens": usage["usage"]["total_tokens"]}
+    assert whole["usage"] == {
+        "prompt_tokens": usage["usage"]["prompt_tokens"],
+        "completion_tokens": 24,
+        "total_tokens": usage["usage"]["total_tokens"],
+    }
 
 
 def test_openai_client(server):
     import openai  # in the test extra: a missing client fails the test rather than skipping it
+
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["tiny"]
     extra = {"read_rate": 20.0, "ignore_eos": True}
     args = dict(model="tiny", max_tokens=12, seed=11, temperature=0.9, extra_body=extra)
     chat = client.chat.completions.create(messages=HELLO, **args)
-    chunks = list(client.chat.completions.create(messages=HELLO, stream=True, stream_options={"include_usage": True},
-                                                 **args))
+    chunks = list(
+        client.chat.completions.create(
+            messages=HELLO, stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 12
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == chat.choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == 12
     done = client.completions.create(prompt="once upon a time", **args)
     pieces = list(client.completions.create(prompt="once upon a time", stream=True, **args))
     assert done.object == "text_completion" and done.usage.completion_tokens == 12
     assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
     assert pieces[-1].choices[0].finish_reason == "length"
-    stop = done.choices[0].text[5:8]  # the text is random; a stop string cuts it before its first match
+    stop = done.choices[0].text[
+        5:8
+    ]  # the text is random; a stop string cuts it before its first match
     cut = client.completions.create(prompt="once upon a time", stop=stop, **args)
-    cut_pieces = list(client.completions.create(prompt="once upon a time", stop=[stop], stream=True, **args))
-    assert cut.choices[0].text == done.choices[0].text[:done.choices[0].text.find(stop)]
+    cut_pieces = list(
+        client.completions.create(prompt="once upon a time", stop=[stop], stream=True, **args)
+    )
+    assert cut.choices[0].text == done.choices[0].text[: done.choices[0].text.find(stop)]
     assert "".join(p.choices[0].text for p in cut_pieces) == cut.choices[0].text
     assert cut.choices[0].finish_reason == cut_pieces[-1].choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
@@ -1360,11 +1748,15 @@ def test_openai_client(server):
 
 def test_32_concurrent_streams(server):
     def body(i: int) -> dict:
-        prompt = f"once upon a time {i}" if i % 2 else [5 + i, 17, 42 + i]  # text: tokenized on 16 threads at once
+        prompt = (
+            f"once upon a time {i}" if i % 2 else [5 + i, 17, 42 + i]
+        )  # text: tokenized on 16 threads at once
         return dict(prompt=prompt, max_tokens=16, seed=i, ignore_eos=True)
 
     def one(i: int) -> tuple[str, int, str]:
-        _, resp = open_stream(server, "/v1/completions", dict(body(i), stream_options={"include_usage": True}))
+        _, resp = open_stream(
+            server, "/v1/completions", dict(body(i), stream_options={"include_usage": True})
+        )
         chunks = [c for _, c in sse(resp)]
         reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-2]]
         texts.append((i, "".join(c["choices"][0]["text"] for c in chunks[:-2])))
@@ -1375,7 +1767,10 @@ def test_32_concurrent_streams(server):
         results = list(pool.map(one, range(32)))
     assert results == [("length", 16, "[DONE]")] * 32
     # each stream carried its own answer: the same request alone, not streamed (seeded, so reproducible)
-    alone = {i: call(server, "POST", "/v1/completions", body(i))[2]["choices"][0]["text"] for i in range(32)}
+    alone = {
+        i: call(server, "POST", "/v1/completions", body(i))[2]["choices"][0]["text"]
+        for i in range(32)
+    }
     assert dict(texts) == alone and len(set(alone.values())) == 32
     assert all_free(server)
 
@@ -1401,13 +1796,19 @@ BAD = [  # (method, path, body, status, error code or None)
     ("POST", "/v1/completions", {"prompt": []}, 400, None),
     ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, None),
     ("POST", "/v1/completions", {"prompt": [1, "a"]}, 400, None),
-    ("POST", "/v1/completions", {"prompt": [10 ** 6]}, 400, None),
+    ("POST", "/v1/completions", {"prompt": [10**6]}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, None),
-    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "context_length_exceeded"),
+    (
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 10**6},
+        400,
+        "context_length_exceeded",
+    ),
     ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, None),
-    ("POST", "/v1/completions", {"prompt": "hi", "seed": 10 ** 30}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "seed": 10**30}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "stop": 5}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "read_rate": 0}, 400, None),
     ("POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter"),
@@ -1450,7 +1851,9 @@ def test_disconnect_aborts_the_request_within_a_step(server, monkeypatch):
     for _ in range(4):
         next(events)
     metrics = scrape(server)
-    assert metrics["nanoflow_running"] == 1 and metrics["nanoflow_queued_requests"] == 0  # it has tokens: not queued
+    assert (
+        metrics["nanoflow_running"] == 1 and metrics["nanoflow_queued_requests"] == 0
+    )  # it has tokens: not queued
     hang_up(sock, resp)
     wait_for(lambda: all_free(server), timeout=1.0)
     assert scrape(server)['nanoflow_requests_total{outcome="abort"}'] == aborted + 1
@@ -1458,12 +1861,16 @@ def test_disconnect_aborts_the_request_within_a_step(server, monkeypatch):
 
 def test_client_leaving_while_queued_is_aborted(server, gate, monkeypatch):
     asked, abort = [], server.loop.abort
-    monkeypatch.setattr(server.loop, "abort", lambda request_id: (asked.append(request_id), abort(request_id)))
+    monkeypatch.setattr(
+        server.loop, "abort", lambda request_id: (asked.append(request_id), abort(request_id))
+    )
     before = scrape(server)
     sock, resp = open_stream(server, CHAT, dict(messages=HELLO, max_tokens=400, ignore_eos=True))
     _, role_chunk = next(sse(resp))  # the request is in the engine's hands, which are held
     hang_up(sock, resp)
-    wait_for(lambda: role_chunk["id"] in asked, timeout=1.0)  # the connection noticed and asked for an abort
+    wait_for(
+        lambda: role_chunk["id"] in asked, timeout=1.0
+    )  # the connection noticed and asked for an abort
     gate.set()
     wait_for(lambda: all_free(server), timeout=1.0)
     after = scrape(server)
@@ -1481,17 +1888,30 @@ def test_metrics_count_prefix_hits(server):
         status, _, _ = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
         assert status == 200
     after = scrape(server)
-    delta = {k: after[f"nanoflow_{k}_total"] - before.get(f"nanoflow_{k}_total", 0)
-             for k in ("prefix_queried_tokens", "prefix_hit_tokens")}
-    assert delta == {"prefix_queried_tokens": 2 * len(prompt), "prefix_hit_tokens": (len(prompt) - 1) // 16 * 16}
+    delta = {
+        k: after[f"nanoflow_{k}_total"] - before.get(f"nanoflow_{k}_total", 0)
+        for k in ("prefix_queried_tokens", "prefix_hit_tokens")
+    }
+    assert delta == {
+        "prefix_queried_tokens": 2 * len(prompt),
+        "prefix_hit_tokens": (len(prompt) - 1) // 16 * 16,
+    }
 
 
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
     monkeypatch.setattr(server.loop, "max_waiting", 2)
     monkeypatch.setattr("nanoflow.serve.START_BOUND_S", 0.0)  # every queued request counts
-    streams = [open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)]
-    status, resp, err = call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3})
-    assert status == 503 and resp.getheader("Retry-After") == "1" and err["error"]["code"] == "overloaded"
+    streams = [
+        open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)
+    ]
+    status, resp, err = call(
+        server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3}
+    )
+    assert (
+        status == 503
+        and resp.getheader("Retry-After") == "1"
+        and err["error"]["code"] == "overloaded"
+    )
     gate.set()
     for _, resp in streams:  # read to the end: the server closes
         assert [c for _, c in sse(resp)][-1] == "[DONE]"
@@ -1503,7 +1923,9 @@ def test_an_engine_failure_fails_its_requests_not_the_server(server, monkeypatch
     step = server.engine.step
 
     def broken():
-        if not server.engine.has_unfinished():  # a step for a late abort of the previous test's request
+        if (
+            not server.engine.has_unfinished()
+        ):  # a step for a late abort of the previous test's request
             return step()
         monkeypatch.setattr(server.engine, "step", step)
         raise RuntimeError("injected")
@@ -1518,41 +1940,78 @@ def test_an_engine_failure_fails_its_requests_not_the_server(server, monkeypatch
 def test_openai_prompt_forms_reach_the_engine_alike(server, monkeypatch):
     """What OpenAI clients send: a batch of one prompt, token ids, chat content as a list of text parts."""
     got, add = [], server.engine.add_request
-    monkeypatch.setattr(server.engine, "add_request", lambda ids, *args: (got.append(ids), add(ids, *args))[1])
+    monkeypatch.setattr(
+        server.engine, "add_request", lambda ids, *args: (got.append(ids), add(ids, *args))[1]
+    )
     ids = server.engine.tokenizer.encode("once upon a time")
     for prompt in ("once upon a time", ["once upon a time"], ids, [ids]):
         assert call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=2))[0] == 200
     parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
     for content in ("hello\nworld", parts):
-        assert call(server, "POST", CHAT, dict(messages=[{"role": "user", "content": content}], max_tokens=2))[0] == 200
+        assert (
+            call(
+                server,
+                "POST",
+                CHAT,
+                dict(messages=[{"role": "user", "content": content}], max_tokens=2),
+            )[0]
+            == 200
+        )
     assert got[:4] == [ids] * 4 and got[4] == got[5]
 
 
 def test_every_sampling_field_reaches_the_engine(server, monkeypatch):
     """A field the server dropped would quietly sample otherwise than the client asked."""
     got, add = [], server.engine.add_request
-    monkeypatch.setattr(server.engine, "add_request",
-                        lambda ids, params, *args: (got.append(params), add(ids, params, *args))[1])
-    fields = dict(temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=3, stop=["zz"],
-                  ignore_eos=True, read_rate=12.5, presence_penalty=0.5, frequency_penalty=-0.5,
-                  repetition_penalty=1.2, logit_bias={9: 2.5}, min_tokens=2, stop_token_ids=[11])
+    monkeypatch.setattr(
+        server.engine,
+        "add_request",
+        lambda ids, params, *args: (got.append(params), add(ids, params, *args))[1],
+    )
+    fields = dict(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=7,
+        min_p=0.05,
+        seed=3,
+        stop=["zz"],
+        ignore_eos=True,
+        read_rate=12.5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={9: 2.5},
+        min_tokens=2,
+        stop_token_ids=[11],
+    )
     body = {**fields, "logit_bias": {"9": 2.5}}  # JSON keys are strings
-    for path, extra in [("/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, logprobs=2)),
-                        (CHAT, dict(messages=HELLO, max_completion_tokens=4)),
-                        (CHAT, dict(messages=HELLO, max_tokens=4, logprobs=True))]:
+    for path, extra in [
+        ("/v1/completions", dict(prompt=[5, 6, 7], max_tokens=5, logprobs=2)),
+        (CHAT, dict(messages=HELLO, max_completion_tokens=4)),
+        (CHAT, dict(messages=HELLO, max_tokens=4, logprobs=True)),
+    ]:
         assert call(server, "POST", path, {**extra, **body})[0] == 200
-    assert got == [SamplingParams(max_tokens=5, logprobs=2, **fields),
-                   SamplingParams(max_tokens=4, **fields),
-                   SamplingParams(max_tokens=4, logprobs=0, **fields)]
+    assert got == [
+        SamplingParams(max_tokens=5, logprobs=2, **fields),
+        SamplingParams(max_tokens=4, **fields),
+        SamplingParams(max_tokens=4, logprobs=0, **fields),
+    ]
 
 
 def test_server_fills_the_context_and_no_more(server):
     """By default an answer may run to the end of the context (as OpenAI's and vLLM's do), and never past it."""
     prompt = [5] * (server.engine.max_model_len - 3)
     status, _, whole = call(server, "POST", "/v1/completions", dict(prompt=prompt, ignore_eos=True))
-    assert status == 200 and whole["usage"]["completion_tokens"] == 3  # max_tokens defaults to the room left
+    assert (
+        status == 200 and whole["usage"]["completion_tokens"] == 3
+    )  # max_tokens defaults to the room left
     assert whole["choices"][0]["finish_reason"] == "length"
-    assert call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=3, ignore_eos=True))[0] == 200
+    assert (
+        call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=3, ignore_eos=True))[
+            0
+        ]
+        == 200
+    )
     status, _, err = call(server, "POST", "/v1/completions", dict(prompt=prompt, max_tokens=4))
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
 
@@ -1560,19 +2019,27 @@ def test_server_fills_the_context_and_no_more(server):
 def test_metrics_histograms_by_hand():
     """/metrics' histograms as Prometheus reads them, for one request whose numbers are known."""
     metrics = serve.Metrics()
-    metrics.finished("length", 7, RequestRecord(0.0, [0.25, 0.375, 1.375], 8.0), rebuffer=0.5)  # gaps 0.125, 1.0
+    metrics.finished(
+        "length", 7, RequestRecord(0.0, [0.25, 0.375, 1.375], 8.0), rebuffer=0.5
+    )  # gaps 0.125, 1.0
     got = prometheus_values(metrics.render({}, num_queued=0))
     # cumulative counts per upper bound; a value equal to a bound counts in it (Prometheus' `le`)
     ttft = {"0.1": 0, "0.25": 1, "+Inf": 1}
     tbt = {"0.1": 0, "0.2": 1, "0.5": 1, "1.0": 2, "2.5": 2, "+Inf": 2}
     rebuffer = {"0.25": 0, "0.5": 1, "+Inf": 1}
-    for name, buckets, total in [("time_to_first_token", ttft, 0.25), ("time_between_tokens", tbt, 1.125),
-                                 ("rebuffer", rebuffer, 0.5)]:
+    for name, buckets, total in [
+        ("time_to_first_token", ttft, 0.25),
+        ("time_between_tokens", tbt, 1.125),
+        ("rebuffer", rebuffer, 0.5),
+    ]:
         for le, count in buckets.items():
             assert got[f'nanoflow_{name}_seconds_bucket{{le="{le}"}}'] == count, (name, le)
         assert got[f"nanoflow_{name}_seconds_sum"] == total
         assert got[f"nanoflow_{name}_seconds_count"] == buckets["+Inf"]
-    assert got['nanoflow_tokens_total{kind="prompt"}'] == 7 and got['nanoflow_tokens_total{kind="generation"}'] == 3
+    assert (
+        got['nanoflow_tokens_total{kind="prompt"}'] == 7
+        and got['nanoflow_tokens_total{kind="generation"}'] == 3
+    )
     assert got['nanoflow_requests_total{outcome="length"}'] == 1
 
 
@@ -1591,8 +2058,11 @@ def test_api_key(server, monkeypatch):
 
 def capture_params(server, monkeypatch) -> list:
     got, add = [], server.engine.add_request
-    monkeypatch.setattr(server.engine, "add_request",
-                        lambda ids, p, *args: (got.append((ids, p)), add(ids, p, *args))[1])
+    monkeypatch.setattr(
+        server.engine,
+        "add_request",
+        lambda ids, p, *args: (got.append((ids, p)), add(ids, p, *args))[1],
+    )
     return got
 
 
@@ -1603,8 +2073,9 @@ def test_default_max_tokens_fits_a_small_pool(ckpt, caplog):
     try:
         assert "max_model_len lowered from 512 to 128 tokens" in caplog.text  # 8 blocks of 16
         assert call(srv, "GET", "/v1/models")[2]["data"][0]["max_model_len"] == 128
-        status, _, whole = call(srv, "POST", "/v1/completions", dict(prompt=[5] * 100,
-                                                                     ignore_eos=True))
+        status, _, whole = call(
+            srv, "POST", "/v1/completions", dict(prompt=[5] * 100, ignore_eos=True)
+        )
         assert status == 200 and whole["usage"]["completion_tokens"] == 28
         status, _, err = call(srv, "POST", "/v1/completions", dict(prompt=[5] * 100, max_tokens=29))
         assert status == 400 and err["error"]["code"] == "context_length_exceeded"
@@ -1638,15 +2109,21 @@ def test_unknown_fields_are_ignored_with_a_warning_and_top_k_0_is_off(server, mo
     assert [p.top_k for _, p in got] == [0, -1]
 
 
-def test_generation_config_gives_defaults_and_the_server_overrides_it(ckpt, tmp_path, monkeypatch,
-                                                                      demo):
+def test_generation_config_gives_defaults_and_the_server_overrides_it(
+    ckpt, tmp_path, monkeypatch, demo
+):
     import shutil
+
     folder = tmp_path / "with-defaults"
     shutil.copytree(ckpt, folder)
     defaults = {"temperature": 0.3, "top_k": 5, "top_p": 0.8, "repetition_penalty": 1.1}
     (folder / "generation_config.json").write_text(json.dumps({**defaults, "eos_token_id": 2}))
-    srv = make_server(LLM(folder, device="cpu", num_kv_blocks=32), "127.0.0.1", 0,
-                      generation_config={"top_p": 0.7}).start()
+    srv = make_server(
+        LLM(folder, device="cpu", num_kv_blocks=32),
+        "127.0.0.1",
+        0,
+        generation_config={"top_p": 0.7},
+    ).start()
     try:
         got = capture_params(srv, monkeypatch)
         for fields in ({}, {"temperature": 1, "top_k": 0}):
@@ -1656,8 +2133,10 @@ def test_generation_config_gives_defaults_and_the_server_overrides_it(ckpt, tmp_
         srv.shutdown()
     model = {**defaults, "top_p": 0.7}  # the file, then the server's flag
     asked = {**model, "temperature": 1, "top_k": 0}
-    assert [p for _, p in got] == [SamplingParams(max_tokens=2, **model),
-                                   SamplingParams(max_tokens=2, **asked)]
+    assert [p for _, p in got] == [
+        SamplingParams(max_tokens=2, **model),
+        SamplingParams(max_tokens=2, **asked),
+    ]
     # transformers wrote only eos and bos
     assert LLM(ckpt, device="cpu", num_kv_blocks=8).generation_config == {}
     assert demo.generation_config == {}  # GGUF: today's defaults
@@ -1672,35 +2151,61 @@ def reference_greedy(ckpt, prompt: list[int], n: int, **params) -> list[int]:
 
 def test_logprobs_are_the_models_own(server, ckpt):
     import openai
+
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     tok = server.engine.tokenizer
     prompt = tok.encode("once upon a time")
-    args = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     done = client.completions.create(**args).choices[0].logprobs
-    pieces = [p.choices[0].logprobs for p in client.completions.create(stream=True, **args)
-              if p.choices[0].logprobs]
+    pieces = [
+        p.choices[0].logprobs
+        for p in client.completions.create(stream=True, **args)
+        if p.choices[0].logprobs
+    ]
     out = reference_greedy(ckpt, prompt, 6)
     logits = engine_logits(LLM(ckpt, device="cpu", num_kv_blocks=16), prompt + out[:-1])
-    ref = logits[len(prompt) - 1:].log_softmax(-1)
+    ref = logits[len(prompt) - 1 :].log_softmax(-1)
     assert done.tokens == [tok.decode([t]) for t in out]
     chosen = [ref[i, t].item() for i, t in enumerate(out)]
     assert done.token_logprobs == pytest.approx(chosen, abs=1e-4)
     top = ref.topk(3)
     # a dict per token (OpenAI's shape), keyed by text: alternatives that decode alike share a key
-    want = [{tok.decode([i]): v for i, v in zip(ids, values)}
-            for ids, values in zip(top.indices.tolist(), top.values.tolist())]
+    want = [
+        {tok.decode([i]): v for i, v in zip(ids, values)}
+        for ids, values in zip(top.indices.tolist(), top.values.tolist())
+    ]
     assert want == [pytest.approx(d, abs=1e-4) for d in done.top_logprobs]
     assert [t for p in pieces for t in p.tokens] == done.tokens
     assert [x for p in pieces for x in p.token_logprobs] == done.token_logprobs
-    assert [x for p in pieces for x in p.text_offset] == done.text_offset == [
-        len("".join(done.tokens[:i])) for i in range(6)]
+    assert (
+        [x for p in pieces for x in p.text_offset]
+        == done.text_offset
+        == [len("".join(done.tokens[:i])) for i in range(6)]
+    )
 
-    chat_args = dict(model="tiny", messages=HELLO, max_tokens=5, temperature=0, logprobs=True,
-                     top_logprobs=2, extra_body={"ignore_eos": True})
+    chat_args = dict(
+        model="tiny",
+        messages=HELLO,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
-    streamed = [c for p in client.chat.completions.create(stream=True, **chat_args)
-                if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    streamed = [
+        c
+        for p in client.chat.completions.create(stream=True, **chat_args)
+        if p.choices and p.choices[0].logprobs
+        for c in p.choices[0].logprobs.content
+    ]
     assert len(content) == 5
     assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
     for c in content:  # greedy: the chosen token is the likeliest
@@ -1716,13 +2221,18 @@ def test_n_choices(server):
     status, _, whole = call(server, "POST", "/v1/completions", body)
     assert status == 200 and [c["index"] for c in whole["choices"]] == [0, 1, 2]
     # choice i is the request alone with seed + i
-    alone = [call(server, "POST", "/v1/completions", {**body, "n": 1, "seed": 5 + i})[2]
-             for i in range(3)]
+    alone = [
+        call(server, "POST", "/v1/completions", {**body, "n": 1, "seed": 5 + i})[2]
+        for i in range(3)
+    ]
     assert [c["text"] for c in whole["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert len({c["text"] for c in whole["choices"]}) == 3
     num_prompt = alone[0]["usage"]["prompt_tokens"]
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 24,
-                              "total_tokens": num_prompt + 24}
+    assert whole["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 24,
+        "total_tokens": num_prompt + 24,
+    }
     chat = dict(messages=HELLO, max_tokens=6, seed=9, ignore_eos=True, n=2)
     _, resp = open_stream(server, CHAT, dict(chat, stream_options={"include_usage": True}))
     chunks = [c for _, c in sse(resp)][:-1]
@@ -1740,13 +2250,19 @@ def test_n_choices(server):
 
 def test_sampling_options_through_the_server(server, ckpt):
     import openai
+
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     prompt = server.engine.tokenizer.encode("once upon a time")
     greedy = reference_greedy(ckpt, prompt, 8)
 
     def create(**extra):
-        return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                         extra_body={"ignore_eos": True, **extra})
+        return client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )
 
     stop = create(stop_token_ids=[greedy[2]])
     assert stop.choices[0].finish_reason == "stop"
@@ -1757,14 +2273,17 @@ def test_sampling_options_through_the_server(server, ckpt):
     assert forced.choices[0].text == server.engine.tokenizer.decode([greedy[0] + 1] * 8)
     penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
     assert create(**penalties).choices[0].text == server.engine.tokenizer.decode(
-        reference_greedy(ckpt, prompt, 8, **penalties))
+        reference_greedy(ckpt, prompt, 8, **penalties)
+    )
 
 
 def test_request_id_is_echoed_or_made(server, caplog):
     caplog.set_level(logging.INFO, logger="nanoflow")
-    for method, path, body in [("POST", "/v1/completions", dict(prompt="hi", max_tokens=2)),
-                               ("GET", "/nope", None),
-                               ("POST", CHAT, dict(messages=HELLO, max_tokens=2, stream=True))]:
+    for method, path, body in [
+        ("POST", "/v1/completions", dict(prompt="hi", max_tokens=2)),
+        ("GET", "/nope", None),
+        ("POST", CHAT, dict(messages=HELLO, max_tokens=2, stream=True)),
+    ]:
         resp = call(server, method, path, body, {"X-Request-Id": "abc-123"})[1]
         assert resp.getheader("X-Request-Id") == "abc-123"
     logged = [r.getMessage() for r in caplog.records]
@@ -1783,8 +2302,10 @@ def test_cors(server, monkeypatch):
     monkeypatch.setattr(server, "allowed_origins", ["http://ui.example"])
     monkeypatch.setattr(server, "api_key", "sekrit")  # a preflight carries no key
     ui = "http://ui.example"
-    preflight = {"Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization"}
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
     status, resp, _ = call(server, "OPTIONS", CHAT, None, {"Origin": ui, **preflight})
     assert status == 204 and resp.getheader("Access-Control-Allow-Origin") == ui
     assert resp.getheader("Access-Control-Allow-Methods") == "POST, OPTIONS"
@@ -1815,8 +2336,10 @@ def test_paused_stream_gets_keepalive_comments(server, gate, monkeypatch):
 def test_too_large_body_gets_413_before_it_is_sent(server):
     """A client announces a body and waits to send it: it reads 413 at once, not after a timeout."""
     sock = socket.create_connection(server.server_address[:2], timeout=5)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % (10 * MAX_BODY_BYTES))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (10 * MAX_BODY_BYTES)
+    )
     resp = http.client.HTTPResponse(sock)
     resp.begin()
     assert resp.status == 413 and "limit" in json.loads(resp.read())["error"]["message"]
@@ -1831,8 +2354,10 @@ def test_health_while_loading_and_draining(ckpt, monkeypatch):
     srv.attach(LLM(ckpt, device="cpu", num_kv_blocks=64))
     assert call(srv, "GET", "/health")[0] == 200
     slow_steps(srv, monkeypatch, 0.02)
-    short, long = [open_stream(srv, "/v1/completions", dict(prompt="hello", max_tokens=n,
-                                                            ignore_eos=True))[1] for n in (5, 400)]
+    short, long = [
+        open_stream(srv, "/v1/completions", dict(prompt="hello", max_tokens=n, ignore_eos=True))[1]
+        for n in (5, 400)
+    ]
     result = []
     # 3 s: the short one's 5 steps finish in time on a loaded machine; the long one's 400 steps of
     # >= 20 ms cannot
@@ -1842,8 +2367,9 @@ def test_health_while_loading_and_draining(ckpt, monkeypatch):
     status, _, err = call(srv, "GET", "/health")
     assert status == 503 and err["error"]["code"] == "draining"
     assert call(srv, "POST", "/v1/completions", dict(prompt="hi"))[0] == 503
-    finished = [[c for _, c in sse(resp)][-2]["choices"][0]["finish_reason"]
-                for resp in (short, long)]
+    finished = [
+        [c for _, c in sse(resp)][-2]["choices"][0]["finish_reason"] for resp in (short, long)
+    ]
     drain.join()
     # the short one finished, the long one was cut
     assert finished == ["length", "abort"] and result == [(1, 1)]
@@ -1876,12 +2402,30 @@ def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--ckpt", "--host", "--port", "--policy", "--device", "--dtype", "--num-kv-blocks", "--host-kv-gb",
-                 "--read-rate", "--api-key", "--max-waiting", "--served-model-name",
-                 "--chat-template",
-                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--gpu-memory-utilization", "--override-generation-config", "--allowed-origins",
-                 "--shutdown-timeout", "--log-level", "--enable-prefix-caching"):
+    for flag in (
+        "--ckpt",
+        "--host",
+        "--port",
+        "--policy",
+        "--device",
+        "--dtype",
+        "--num-kv-blocks",
+        "--host-kv-gb",
+        "--read-rate",
+        "--api-key",
+        "--max-waiting",
+        "--served-model-name",
+        "--chat-template",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--gpu-memory-utilization",
+        "--override-generation-config",
+        "--allowed-origins",
+        "--shutdown-timeout",
+        "--log-level",
+        "--enable-prefix-caching",
+    ):
         assert flag in text
 
 
@@ -1910,8 +2454,9 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
 
         monkeypatch.setattr(serve.Server, "start", lambda server: server)  # bind, accept nothing
         monkeypatch.setattr(serve.Server, "attach", capture)
-        monkeypatch.setattr(serve, "LLM", lambda *a, **kw: (built.update(llm_kwargs=kw),
-                                                            make_llm(*a, **kw))[1])
+        monkeypatch.setattr(
+            serve, "LLM", lambda *a, **kw: (built.update(llm_kwargs=kw), make_llm(*a, **kw))[1]
+        )
         with pytest.raises(KeyboardInterrupt):
             serve.main(["--ckpt", str(ckpt), "--device", "cpu", *flags])
         built["server"].server_close()
@@ -1919,20 +2464,59 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
 
     template = tmp_path / "template.jinja"
     template.write_text("{{ messages[0]['content'] }}!")
-    built = built_by("--host", "127.0.0.2", "--port", "0", "--policy", "fcfs", "--dtype",
-                     "bfloat16",
-                     "--num-kv-blocks", "37", "--host-kv-gb", "0.001", "--read-rate", "3.5", "--api-key", "sekrit",
-                     "--max-waiting", "9", "--max-model-len", "300", "--max-num-seqs", "5",
-                     "--max-num-batched-tokens", "64", "--gpu-memory-utilization", "0.5",
-                     "--served-model-name", "a", "b", "--chat-template", str(template),
-                     "--allowed-origins", "http://x", "*", "--override-generation-config",
-                     '{"temperature": 0.25}', "--log-level", "warning",
-                     "--no-enable-prefix-caching", "--cpu-threads", "1")
+    built = built_by(
+        "--host",
+        "127.0.0.2",
+        "--port",
+        "0",
+        "--policy",
+        "fcfs",
+        "--dtype",
+        "bfloat16",
+        "--num-kv-blocks",
+        "37",
+        "--host-kv-gb",
+        "0.001",
+        "--read-rate",
+        "3.5",
+        "--api-key",
+        "sekrit",
+        "--max-waiting",
+        "9",
+        "--max-model-len",
+        "300",
+        "--max-num-seqs",
+        "5",
+        "--max-num-batched-tokens",
+        "64",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--served-model-name",
+        "a",
+        "b",
+        "--chat-template",
+        str(template),
+        "--allowed-origins",
+        "http://x",
+        "*",
+        "--override-generation-config",
+        '{"temperature": 0.25}',
+        "--log-level",
+        "warning",
+        "--no-enable-prefix-caching",
+        "--cpu-threads",
+        "1",
+    )
     engine, server = built["llm"].engine, built["server"]
     assert not engine.scheduler.enable_prefix_caching
-    block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2  # K and V, bf16
+    block_bytes = (
+        2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 2
+    )  # K and V, bf16
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
-    assert engine.kv.kv_cache.device.type == "cpu" and engine.model.model.norm.weight.dtype == torch.bfloat16
+    assert (
+        engine.kv.kv_cache.device.type == "cpu"
+        and engine.model.model.norm.weight.dtype == torch.bfloat16
+    )
     assert engine.scheduler.swapper.host.num_blocks == int(0.001 * (1 << 30)) // block_bytes
     assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5
     assert engine.max_model_len == 300
@@ -1959,14 +2543,34 @@ def test_read_rates_are_clamped(ckpt):
         req = llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, read_rate=declared))
         rates[declared] = (req.read_rate, req.record().rate)
         llm.engine.abort(req.request_id)
-    assert rates == {1e6: (READ_RATE_MAX,) * 2, 1e-3: (READ_RATE_MIN,) * 2, 5.0: (5.0,) * 2, None: (READ_RATE_MAX,) * 2}
+    assert rates == {
+        1e6: (READ_RATE_MAX,) * 2,
+        1e-3: (READ_RATE_MIN,) * 2,
+        5.0: (5.0,) * 2,
+        None: (READ_RATE_MAX,) * 2,
+    }
 
 
 def test_sigterm_drains_streams_and_exits_0(ckpt):
-    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--device", "cpu", "--num-kv-blocks", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanoflow.serve",
+            "--ckpt",
+            str(ckpt),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     try:
         assert "loading tiny-llama" in proc.stdout.readline()
         line = proc.stdout.readline()
@@ -1989,8 +2593,14 @@ def test_sigterm_drains_streams_and_exits_0(ckpt):
 
 # ---------------------------------------------------------------- readers, metrics, the tokenflow policy, the simulator
 
-from nanoflow.metrics import (RequestRecord, effective_weights, qoe, read_times,  # noqa: E402
-                              rebuffer_time, summarize)
+from nanoflow.metrics import (
+    RequestRecord,
+    effective_weights,
+    qoe,
+    read_times,  # noqa: E402
+    rebuffer_time,
+    summarize,
+)
 from nanoflow.sched import Request, RequestStatus, TokenFlowConfig  # noqa: E402
 from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
 
@@ -2032,23 +2642,37 @@ def test_simulator_serves_a_second_turn_from_the_device_or_the_host_tier(evicted
 def test_metrics_by_hand():
     times = [1.0, 1.1, 1.2, 2.0]  # a request that arrived at 0; its reader reads 10 tokens/s
     assert read_times(times, 10.0) == pytest.approx([1.0, 1.1, 1.2, 2.0])
-    assert rebuffer_time(times, 10.0) == pytest.approx(0.7)  # the 4th token was due at 1.3, came at 2.0
-    assert qoe(0.0, times, 10.0) == pytest.approx(1 - 0.4 / 5.3)  # late only the 4th: 2.0 vs ideal 1.3 + 0.3
+    assert rebuffer_time(times, 10.0) == pytest.approx(
+        0.7
+    )  # the 4th token was due at 1.3, came at 2.0
+    assert qoe(0.0, times, 10.0) == pytest.approx(
+        1 - 0.4 / 5.3
+    )  # late only the 4th: 2.0 vs ideal 1.3 + 0.3
     req = Request([1], SamplingParams(), read_rate=10.0)
-    for t in times:  # its reader runs dry 0.1 s after it reads the newest token: at 1.0, 1.1, 1.2, then 2.0
+    for t in (
+        times
+    ):  # its reader runs dry 0.1 s after it reads the newest token: at 1.0, 1.1, 1.2, then 2.0
         req.append(0, t)
         assert req.dry_at == pytest.approx(t + 0.1)
     # L = 20 tokens all generated at once, read at 1 token/s: token j finds j - 1 tokens unread
     weights = effective_weights([0.001 * j for j in range(20)], 1.0)
-    assert (weights[2], weights[4], weights[6]) == (1.0, pytest.approx(0.5), 0.0)  # buffer 5%, 15%, 25% of L
-    s = summarize([RequestRecord(0.0, times, 10.0), RequestRecord(0.5, [1.0, 1.1], 10.0)], makespan=2.0)
+    assert (weights[2], weights[4], weights[6]) == (
+        1.0,
+        pytest.approx(0.5),
+        0.0,
+    )  # buffer 5%, 15%, 25% of L
+    s = summarize(
+        [RequestRecord(0.0, times, 10.0), RequestRecord(0.5, [1.0, 1.1], 10.0)], makespan=2.0
+    )
     assert s["ttft_mean"] == pytest.approx(0.75) and s["throughput"] == pytest.approx(3.0)
     assert s["rebuffer_mean"] == pytest.approx(0.35) and s["completed"] == s["requests"] == 2
 
 
 def test_summarize_every_key_by_hand():
     """Readers at 4 tok/s (one token every 0.25 s); times are multiples of 1/8, so the arithmetic is exact."""
-    a = RequestRecord(0.0, [1.0, 1.5, 1.625, 3.0], 4.0)  # read at 1.0, 1.5 (due 1.25), 1.75 (made 1.625), 3.0 (due 2.0)
+    a = RequestRecord(
+        0.0, [1.0, 1.5, 1.625, 3.0], 4.0
+    )  # read at 1.0, 1.5 (due 1.25), 1.75 (made 1.625), 3.0 (due 2.0)
     b = RequestRecord(0.5, [1.0] * 8, 4.0)  # 8 tokens at once, read at 1.0, 1.25, ..., 2.75
     s = summarize([a, b, RequestRecord(0.0, [], 4.0)], makespan=4.0)  # the third has no token yet
     # tbts: a's 0.5, 0.125, 1.375 and b's seven 0s; sorted, p99 sits at 0.99 * 9 = 8.91: 0.5 + 0.91 * (1.375 - 0.5)
@@ -2058,25 +2682,38 @@ def test_summarize_every_key_by_hand():
     # effective weights (L = 4: 1 while buffer <= 0.4; L = 8: 1 while <= 0.8, then 2 - 10 B / 8, 0 from 1.6):
     # a finds its earlier tokens all read when each is made (4); b's first two find 0 unread, its third 1 (0.75)
     assert s == {
-        "ttft_mean": pytest.approx((1.0 + 0.5) / 2), "ttft_p50": pytest.approx(0.75),
-        "ttft_p99": pytest.approx(0.5 + 0.99 * (1.0 - 0.5)), "tbt_p99": pytest.approx(0.5 + 0.91 * 0.875),
-        "rebuffer_mean": pytest.approx((0.25 + 1.0 + 0) / 2), "rebuffer_p99": pytest.approx(0.99 * 1.25),
-        "qoe_mean": pytest.approx((1 - 0.95 / (1.0 + 1.5 + 1.75 + 3.0) + 1.0) / 2), "qoe_good_share": 0.5,
-        "effective_throughput": pytest.approx((4 + 1 + 1 + 0.75) / 4.0), "throughput": pytest.approx(12 / 4.0),
-        "makespan": 4.0, "requests": 3, "completed": 2,
-        "ttft_slo_share": pytest.approx(2 / 3)}  # a's 1.0 s and b's 0.5 s are within 2 s; the third has none
+        "ttft_mean": pytest.approx((1.0 + 0.5) / 2),
+        "ttft_p50": pytest.approx(0.75),
+        "ttft_p99": pytest.approx(0.5 + 0.99 * (1.0 - 0.5)),
+        "tbt_p99": pytest.approx(0.5 + 0.91 * 0.875),
+        "rebuffer_mean": pytest.approx((0.25 + 1.0 + 0) / 2),
+        "rebuffer_p99": pytest.approx(0.99 * 1.25),
+        "qoe_mean": pytest.approx((1 - 0.95 / (1.0 + 1.5 + 1.75 + 3.0) + 1.0) / 2),
+        "qoe_good_share": 0.5,
+        "effective_throughput": pytest.approx((4 + 1 + 1 + 0.75) / 4.0),
+        "throughput": pytest.approx(12 / 4.0),
+        "makespan": 4.0,
+        "requests": 3,
+        "completed": 2,
+        "ttft_slo_share": pytest.approx(2 / 3),
+    }  # a's 1.0 s and b's 0.5 s are within 2 s; the third has none
 
 
 def test_scheduler_reader_agrees_with_the_metrics():
     """When the scheduler thinks a reader runs dry is when the metrics' pacer wants its next token (docs/scheduling.md)."""
     rng = random.Random(2)
     for _ in range(20):
-        times, rate = sorted(rng.uniform(0, 5) for _ in range(rng.randint(1, 30))), rng.uniform(0.5, 20)
+        times, rate = (
+            sorted(rng.uniform(0, 5) for _ in range(rng.randint(1, 30))),
+            rng.uniform(0.5, 20),
+        )
         req = Request([1], SamplingParams(), read_rate=rate)
         for i, t in enumerate(times):
             req.append(7, t)
-            assert req.dry_at == read_times(times[:i + 1], rate)[-1] + 1 / rate
-        assert Request([1], SamplingParams(), read_rate=rate, token_times=times).dry_at == req.dry_at
+            assert req.dry_at == read_times(times[: i + 1], rate)[-1] + 1 / rate
+        assert (
+            Request([1], SamplingParams(), read_rate=rate, token_times=times).dry_at == req.dry_at
+        )
 
 
 def drive(engine, arrivals: list[tuple[float, int, int, float]], max_steps: int = 200_000) -> list:
@@ -2088,26 +2725,47 @@ def drive(engine, arrivals: list[tuple[float, int, int, float]], max_steps: int 
             return reqs
         while pending and pending[0][0] <= engine.clock():
             t, p, n, rate = pending.pop(0)
-            reqs.append(engine.add_request([1] * p, SamplingParams(max_tokens=n, ignore_eos=True, read_rate=rate),
-                                           arrival_time=t))
+            reqs.append(
+                engine.add_request(
+                    [1] * p,
+                    SamplingParams(max_tokens=n, ignore_eos=True, read_rate=rate),
+                    arrival_time=t,
+                )
+            )
         if engine.has_unfinished():
             engine.step()
         else:
             engine.clock.advance_to(pending[0][0])
-    raise AssertionError(f"not done after {max_steps} steps: {[r.status.value for r in reqs if not r.is_finished]}")
+    raise AssertionError(
+        f"not done after {max_steps} steps: {[r.status.value for r in reqs if not r.is_finished]}"
+    )
 
 
 def test_motivating_example():
     """TokenFlow's Figure: two slots, each running request decoding at 40 tok/s (so 80 tok/s in all);
     R1 reads at 20 tok/s and R2 at 30 from t=0; R3 (25 tok/s) arrives at t=2."""
-    toy = CostModel("toy", SMOLLM2_135M, 1024, overhead_s=1 / 40, weights_read_s=0, per_kv_token_s=0,
-                    per_prefill_token_s=0, per_decode_seq_s=0, link_bytes_per_s=1e9, num_kv_blocks=64,
-                    num_host_blocks=1000, max_num_seqs=2)
+    toy = CostModel(
+        "toy",
+        SMOLLM2_135M,
+        1024,
+        overhead_s=1 / 40,
+        weights_read_s=0,
+        per_kv_token_s=0,
+        per_prefill_token_s=0,
+        per_decode_seq_s=0,
+        link_bytes_per_s=1e9,
+        num_kv_blocks=64,
+        num_host_blocks=1000,
+        max_num_seqs=2,
+    )
     arrivals = [(0.0, 16, 300, 20.0), (0.0, 16, 300, 30.0), (2.0, 16, 300, 25.0)]
     # Δt at the toy's time scale (a 300-token answer lasts 7.5 s); switches cost nothing here, so the paper's
     # agile setting (mu 1), and the readers may ask for all of the capacity (75 of 80 tok/s)
     quick = TokenFlowConfig(interval=0.5, mu=1, capacity_share=1.0)
-    runs = {policy: drive(sim_engine(toy, policy, tokenflow=quick), arrivals) for policy in ("fcfs", "tokenflow")}
+    runs = {
+        policy: drive(sim_engine(toy, policy, tokenflow=quick), arrivals)
+        for policy in ("fcfs", "tokenflow")
+    }
     ttft = {policy: reqs[2].token_times[0] - reqs[2].arrival_time for policy, reqs in runs.items()}
     assert ttft["fcfs"] > 5.0  # R3 waits for R1 to finish its 300 tokens
     assert ttft["tokenflow"] < 0.1 * ttft["fcfs"]
@@ -2127,7 +2785,9 @@ def test_tokenflow_preempts_only_what_can_wait_and_never_swaps_back_and_forth():
 
     def preemptions(s, now):  # the policy's own choices (not a pool that ran dry under growth)
         victims = real_preemptions(s, now)
-        decisions.extend((r.dry_at - now, r.num_computed_tokens, len(r.block_table)) for r in victims)
+        decisions.extend(
+            (r.dry_at - now, r.num_computed_tokens, len(r.block_table)) for r in victims
+        )
         return victims
 
     def preempt(req):
@@ -2142,7 +2802,9 @@ def test_tokenflow_preempts_only_what_can_wait_and_never_swaps_back_and_forth():
     # had at least mu x 1.5 s of reading left
     assert len(decisions) > 10
     assert all(stall >= 2.0 * (1.5 + 2 * blocks * 737_280 / 5e9) for stall, _, blocks in decisions)
-    for times in moves.values():  # consecutive preemptions of one request are an interval apart at least
+    for (
+        times
+    ) in moves.values():  # consecutive preemptions of one request are an interval apart at least
         assert all(b - a >= 1.5 for a, b in zip(times, times[1:]))
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
     assert engine.stats()["resumes_load"] > 0 and engine.kv.num_free == engine.kv.num_blocks
@@ -2152,7 +2814,9 @@ def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
     within = {}
     for policy in ("fcfs", "tokenflow"):
         engine = sim_engine("cpu-smollm2", policy)
-        within[policy] = summarize([r.record() for r in drive(engine, burst(40, 2.0))], engine.clock())
+        within[policy] = summarize(
+            [r.record() for r in drive(engine, burst(40, 2.0))], engine.clock()
+        )
     assert within["tokenflow"]["ttft_p99"] < 0.5 * within["fcfs"]["ttft_p99"]
     assert within["tokenflow"]["rebuffer_mean"] <= within["fcfs"]["rebuffer_mean"] + 0.1
     # readers at 20 tok/s x 40 = 800 tok/s of demand against ~120 of capacity: once that is measured,
@@ -2282,16 +2946,28 @@ def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memor
 
 def toy_cost(**overrides) -> CostModel:
     """A cost model whose numbers are easy to compute with: 20 ms per step, 1 KB of KV per token."""
-    base = dict(name="toy", model=SMOLLM2_135M, kv_bytes_per_token=1000, overhead_s=0.02, weights_read_s=0,
-                per_kv_token_s=0, per_prefill_token_s=0, per_decode_seq_s=0, link_bytes_per_s=1e6,
-                num_kv_blocks=64, num_host_blocks=100)
+    base = dict(
+        name="toy",
+        model=SMOLLM2_135M,
+        kv_bytes_per_token=1000,
+        overhead_s=0.02,
+        weights_read_s=0,
+        per_kv_token_s=0,
+        per_prefill_token_s=0,
+        per_decode_seq_s=0,
+        link_bytes_per_s=1e6,
+        num_kv_blocks=64,
+        num_host_blocks=100,
+    )
     return CostModel(**{**base, **overrides})
 
 
 def running_request(engine, prompt_len: int, max_tokens: int, rate: float = 10.0):
     """A request placed straight into the running set with its prompt's KV computed (no step run)."""
     s = engine.scheduler
-    req = engine.add_request([1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True, read_rate=rate))
+    req = engine.add_request(
+        [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True, read_rate=rate)
+    )
     s.waiting.remove(req)
     s.running.append(req)
     req.status, req.num_computed_tokens = RequestStatus.RUNNING, prompt_len
@@ -2322,15 +2998,31 @@ def test_urgency_is_when_the_reader_runs_dry_so_stalled_readers_age():
     policy, now = engine.scheduler.policy, 1.0
 
     def request(times, status, arrival=0.0):
-        req = Request([1], SamplingParams(), arrival_time=arrival, read_rate=10.0, token_times=times, status=status)
+        req = Request(
+            [1],
+            SamplingParams(),
+            arrival_time=arrival,
+            read_rate=10.0,
+            token_times=times,
+            status=status,
+        )
         return req
 
-    a = request([0.0], RequestStatus.PREEMPTED)  # read at 0, wanted its next token at 0.1: stalled 0.9 s
+    a = request(
+        [0.0], RequestStatus.PREEMPTED
+    )  # read at 0, wanted its next token at 0.1: stalled 0.9 s
     b = request([0.5], RequestStatus.PREEMPTED)  # stalled since 0.6
     n = request([], RequestStatus.WAITING, arrival=0.3)  # waiting for its first token since 0.3
-    c = request([0.9] * 41, RequestStatus.RUNNING)  # read 2 by t=1.0 (0.9, 1.0), 39 unread: dry at 1.0 + 40/10
+    c = request(
+        [0.9] * 41, RequestStatus.RUNNING
+    )  # read 2 by t=1.0 (0.9, 1.0), 39 unread: dry at 1.0 + 40/10
     keys = [policy.urgency(engine.scheduler, r, now) for r in (a, n, b, c)]
-    assert [(tier, round(t, 6)) for tier, t in keys] == [(0, 0.1), (1, 0.3), (0, 0.6), (2, 1.0 + 4.0 * 0.9)]
+    assert [(tier, round(t, 6)) for tier, t in keys] == [
+        (0, 0.1),
+        (1, 0.3),
+        (0, 0.6),
+        (2, 1.0 + 4.0 * 0.9),
+    ]
 
 
 def test_tokenflow_admits_what_it_rebalanced_for_first():
@@ -2392,9 +3084,13 @@ def test_a_keep_set_member_that_does_not_fit_yet_holds_the_queue():
     engine = sim_engine(toy_cost(num_kv_blocks=64), "tokenflow")
     s = engine.scheduler
     s.rates.prefill_rate = 100.0  # recomputing a block (0.16 s) is slower than loading it (0.016 s)
-    [running_request(engine, 64, 1) for _ in range(2)]  # 8 of 64 blocks; the baseline reserves 10 for them
+    [
+        running_request(engine, 64, 1) for _ in range(2)
+    ]  # 8 of 64 blocks; the baseline reserves 10 for them
     newcomer = engine.add_request([1] * 16, SamplingParams(max_tokens=1, ignore_eos=True))
-    member = paused_reader(engine, 900, host_tokens=960)  # 60 blocks to load, and one for its next token
+    member = paused_reader(
+        engine, 900, host_tokens=960
+    )  # 60 blocks to load, and one for its next token
     s.policy.joining = [member]
     s.policy.admit(s, {}, 10**6, engine.clock())
     assert (newcomer.status, member.status) == (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -2423,18 +3119,24 @@ def test_mass_preemption_only_for_newcomers_that_can_start_within_the_interval(l
     engine = sim_engine(toy_cost(num_kv_blocks=330, link_bytes_per_s=link), "tokenflow")
     s = engine.scheduler
     olds = [running_request(engine, 64, 1000) for _ in range(30)]
-    for r in olds:  # 100 tokens each, made at t=9: by t=10 its reader (10 tok/s) has read 11 of them
+    for (
+        r
+    ) in olds:  # 100 tokens each, made at t=9: by t=10 its reader (10 tok/s) has read 11 of them
         for _ in range(100):
             r.append(0, 9.0)
         r.num_computed_tokens = r.num_tokens
-        assert s.kv.grow(r.block_table, r.num_tokens)  # 164 tokens: 11 blocks each, 330 in all: the pool is full
+        assert s.kv.grow(
+            r.block_table, r.num_tokens
+        )  # 164 tokens: 11 blocks each, 330 in all: the pool is full
     engine.clock.advance_to(10.0)
     for r in olds:
         r.last_moved = 0.0
     s.rates.prefill_rate = 1000.0  # 1.5 s of prefill: 1500 prompt tokens
     s.rates.observe(0.02, 0, 30)  # a decode step of the 30 takes 0.02 s
-    news = [engine.add_request([1] * 500, SamplingParams(max_tokens=10, ignore_eos=True, read_rate=1.0))
-            for _ in range(40)]
+    news = [
+        engine.add_request([1] * 500, SamplingParams(max_tokens=10, ignore_eos=True, read_rate=1.0))
+        for _ in range(40)
+    ]
     victims = s.policy.preemptions(s, engine.clock())
     # 3 newcomers of 500 tokens fit 1500 tokens of prefill; with their 10 tokens of output each needs 32
     # blocks. The 30 hold 11 blocks each and add 75 tokens within the interval (15 blocks each): the
@@ -2444,9 +3146,14 @@ def test_mass_preemption_only_for_newcomers_that_can_start_within_the_interval(l
 
 
 def test_resumed_request_joins_when_its_load_is_done_and_nobody_waits_for_it():
-    engine = sim_engine(toy_cost(link_bytes_per_s=1e5), Forced(10**9, "load"))  # a block takes 0.16 s
+    engine = sim_engine(
+        toy_cost(link_bytes_per_s=1e5), Forced(10**9, "load")
+    )  # a block takes 0.16 s
     s = engine.scheduler
-    a, b = (engine.add_request([1] * 40, SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2))
+    a, b = (
+        engine.add_request([1] * 40, SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(2)
+    )
     for _ in range(3):
         engine.step()
     s.preempt(a)  # its 3 blocks go to host: 0.48 s; loading them back another 0.48 s
@@ -2496,33 +3203,62 @@ def test_fcfs_admits_by_sglangs_estimate_and_resets_it_on_retraction():
     while not s.counters["preemptions"]:
         engine.step()
     retracted = [r for r in reqs if r.num_preemptions]
-    assert retracted and s.waiting[0] is retracted[-1]  # back at the head of the queue, ahead of newcomers
+    assert (
+        retracted and s.waiting[0] is retracted[-1]
+    )  # back at the head of the queue, ahead of newcomers
     survivors, decay = s.running, 0.6 / 600
-    decoded = sum(r.num_output_tokens - 1 for r in survivors)  # what they had when it ran out: one token ago
-    ratio = min(1, (decoded + 20 * len(survivors)) / (100 * len(survivors)))  # SGLang's retract_decode
+    decoded = sum(
+        r.num_output_tokens - 1 for r in survivors
+    )  # what they had when it ran out: one token ago
+    ratio = min(
+        1, (decoded + 20 * len(survivors)) / (100 * len(survivors))
+    )  # SGLang's retract_decode
     assert fcfs.new_token_ratio == pytest.approx(ratio - decay)  # then one step of decay
-    assert all(r.num_output_tokens <= min(x.num_output_tokens for x in survivors) for r in retracted)
+    assert all(
+        r.num_output_tokens <= min(x.num_output_tokens for x in survivors) for r in retracted
+    )
 
 
 def test_matrix_verdict():
-    f = dict(ttft_p99=10.0, rebuffer_mean=1.0, throughput=100.0, effective_throughput=50.0, completed=5, requests=5)
-    ok = dict(f, ttft_p99=11.2, rebuffer_mean=1.2, throughput=95.0, effective_throughput=47.5)  # on every limit
+    f = dict(
+        ttft_p99=10.0,
+        rebuffer_mean=1.0,
+        throughput=100.0,
+        effective_throughput=50.0,
+        completed=5,
+        requests=5,
+    )
+    ok = dict(
+        f, ttft_p99=11.2, rebuffer_mean=1.2, throughput=95.0, effective_throughput=47.5
+    )  # on every limit
     assert bench.verdict(f, ok, {}) == []
     assert len(bench.verdict(f, dict(ok, ttft_p99=11.3), {})) == 1
     assert len(bench.verdict(f, dict(ok, rebuffer_mean=1.21), {})) == 1
     assert len(bench.verdict(f, dict(ok, throughput=94.9, effective_throughput=47.4), {})) == 2
     assert len(bench.verdict(f, dict(ok, completed=4), {})) == 1
     assert len(bench.verdict(f, ok, {"ttft_p99": 0.15, "effective_throughput": 1.6})) == 2
-    assert bench.verdict(f, dict(ok, ttft_p99=1.5, effective_throughput=80.0), {"ttft_p99": 0.15,
-                                                                              "effective_throughput": 1.6}) == []
+    assert (
+        bench.verdict(
+            f,
+            dict(ok, ttft_p99=1.5, effective_throughput=80.0),
+            {"ttft_p99": 0.15, "effective_throughput": 1.6},
+        )
+        == []
+    )
 
 
 def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
     base = "--simulate --uncharged --preset cpu-smollm2 --prompt-len 64:16 --output-len 128:32 --seed 3"
-    rows = [("burst", "--burst 40 --read-rate 2", {"ttft_p99": 0.5}), ("overload", "--burst 40 --read-rate 20", {}),
-            ("poisson", "--poisson 0.5 --duration 30 --read-rate 2", {}),
-            # a pool of 3-5 requests: whether the readers stall depends on who joins; ten workloads
-            *[(f"tight, seed {n}", f"--burst 30 --num-kv-blocks 40 --read-rate 2 --seed {n}", {}) for n in range(10)]]
+    rows = [
+        ("burst", "--burst 40 --read-rate 2", {"ttft_p99": 0.5}),
+        ("overload", "--burst 40 --read-rate 20", {}),
+        ("poisson", "--poisson 0.5 --duration 30 --read-rate 2", {}),
+        # a pool of 3-5 requests: whether the readers stall depends on who joins; ten workloads
+        *[
+            (f"tight, seed {n}", f"--burst 30 --num-kv-blocks 40 --read-rate 2 --seed {n}", {})
+            for n in range(10)
+        ],
+    ]
     for name, f, t, misses in bench.run_matrix(rows, base):
         assert not misses, (name, misses)
 
@@ -2536,19 +3272,38 @@ import math  # noqa: E402
 import bench  # noqa: E402
 
 BENCH_WORKLOAD = ["--burst", "4", "--prompt-len", "12:2", "--output-len", "10:2", "--seed", "1"]
-METRIC_KEYS = ("ttft_mean", "ttft_p50", "ttft_p99", "tbt_p99", "rebuffer_mean", "rebuffer_p99",
-               "qoe_mean", "qoe_good_share", "effective_throughput", "throughput", "makespan",
-               "preemptions", "requests", "completed")
+METRIC_KEYS = (
+    "ttft_mean",
+    "ttft_p50",
+    "ttft_p99",
+    "tbt_p99",
+    "rebuffer_mean",
+    "rebuffer_p99",
+    "qoe_mean",
+    "qoe_good_share",
+    "effective_throughput",
+    "throughput",
+    "makespan",
+    "preemptions",
+    "requests",
+    "completed",
+)
 
 
 def check_bench_output(out: str, path, policies: list[str]) -> None:
-    assert "TTFT p99 (s)" in out and "effective throughput" in out and all(p in out for p in policies)
+    assert (
+        "TTFT p99 (s)" in out and "effective throughput" in out and all(p in out for p in policies)
+    )
     report = json.loads(path.read_text())
     assert report["config"]["burst"] == 4 and list(report["policies"]) == policies
     for m in report["policies"].values():
         assert all(key in m and math.isfinite(m[key]) for key in METRIC_KEYS)
         assert m["completed"] == m["requests"] == 4
-        assert m["ttft_p50"] <= m["ttft_p99"] and m["rebuffer_mean"] >= 0 and 0 <= m["qoe_good_share"] <= 1
+        assert (
+            m["ttft_p50"] <= m["ttft_p99"]
+            and m["rebuffer_mean"] >= 0
+            and 0 <= m["qoe_good_share"] <= 1
+        )
         assert 0 < m["effective_throughput"] <= m["throughput"] and m["makespan"] > 0
 
 
@@ -2557,21 +3312,44 @@ def test_bench_in_process(ckpt, tmp_path, capsys):
     bench.main(["--ckpt", str(ckpt), "--device", "cpu", *BENCH_WORKLOAD, "--json", str(path)])
     out = capsys.readouterr().out
     check_bench_output(out, path, ["fcfs", "tokenflow"])
-    assert "tokenflow/fcfs" in out and "readers: a running request decodes at" in out  # auto rates, explained
-    tokens = [m["throughput"] * m["makespan"] for m in json.loads(path.read_text())["policies"].values()]
-    assert tokens[0] == pytest.approx(tokens[1])  # the identical workload: every output ran to its length
+    assert (
+        "tokenflow/fcfs" in out and "readers: a running request decodes at" in out
+    )  # auto rates, explained
+    tokens = [
+        m["throughput"] * m["makespan"] for m in json.loads(path.read_text())["policies"].values()
+    ]
+    assert tokens[0] == pytest.approx(
+        tokens[1]
+    )  # the identical workload: every output ran to its length
 
 
 def test_bench_simulate_with_plot(tmp_path, capsys):
-    path, png = tmp_path / "sim.json", tmp_path / "sim.png"  # matplotlib is in the test extra: no plot is a failure
-    bench.main(["--simulate", "--preset", "cpu-smollm2", *BENCH_WORKLOAD, "--read-rate", "15:0.4,20:0.6",
-                "--json", str(path), "--plot", str(png)])
+    path, png = (
+        tmp_path / "sim.json",
+        tmp_path / "sim.png",
+    )  # matplotlib is in the test extra: no plot is a failure
+    bench.main(
+        [
+            "--simulate",
+            "--preset",
+            "cpu-smollm2",
+            *BENCH_WORKLOAD,
+            "--read-rate",
+            "15:0.4,20:0.6",
+            "--json",
+            str(path),
+            "--plot",
+            str(png),
+        ]
+    )
     check_bench_output(capsys.readouterr().out, path, ["fcfs", "tokenflow"])
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_bench_http(ckpt, tmp_path, capsys):
-    srv = make_server(LLM(ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny").start()
+    srv = make_server(
+        LLM(ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny"
+    ).start()
     try:
         path = tmp_path / "http.json"
         bench.main(["--http", srv.url, *BENCH_WORKLOAD, "--read-rate", "20", "--json", str(path)])
@@ -2584,8 +3362,20 @@ def test_bench_fidelity_fits_runs_and_replays(ckpt, tmp_path, capsys):
     """--fidelity: a cost model fitted in the run, the workload on the engine and on the simulator
     with that fit, per policy: both sides' metrics and the simulator's relative error."""
     path = tmp_path / "fidelity.json"
-    bench.main(["--fidelity", "--ckpt", str(ckpt), "--device", "cpu", *BENCH_WORKLOAD,
-                "--read-rate", "20", "--json", str(path)])
+    bench.main(
+        [
+            "--fidelity",
+            "--ckpt",
+            str(ckpt),
+            "--device",
+            "cpu",
+            *BENCH_WORKLOAD,
+            "--read-rate",
+            "20",
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "fitted in this run: preset calibrated" in out and "fcfs error" in out
     assert out.count("decisions") + out.count("the schedules part") >= 2  # one line per policy
@@ -2593,7 +3383,9 @@ def test_bench_fidelity_fits_runs_and_replays(ckpt, tmp_path, capsys):
     for policy in ("fcfs", "tokenflow"):
         real, sim = report["policies"][policy]["real"], report["policies"][policy]["sim"]
         assert real["completed"] == sim["completed"] == 4
-        assert real["throughput"] * real["makespan"] == pytest.approx(sim["throughput"] * sim["makespan"])
+        assert real["throughput"] * real["makespan"] == pytest.approx(
+            sim["throughput"] * sim["makespan"]
+        )
         assert 0 <= report["policies"][policy]["machine"]["others_cpu_share"] <= 1
 
 
@@ -2601,7 +3393,9 @@ def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, t
     """--regimes: a row runs under both policies twice (fcfs first, then tokenflow first), and
     the simulator replays it with the fit of the same run; the verdict compares the means."""
     path = tmp_path / "regimes.json"
-    bench.main(["--regimes", "burst 4", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(path)])
+    bench.main(
+        ["--regimes", "burst 4", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(path)]
+    )
     out = capsys.readouterr().out
     assert "| burst 4 (1/3 of capacity) |" in out and "TTFT p50" in out
     (row,) = json.loads(path.read_text())["rows"]
@@ -2624,9 +3418,15 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
     llm = LLM(ckpt, device="cpu", num_kv_blocks=20, policy=policy, host_kv_gb=0.01)
     eng = llm.engine
     block_bytes = eng.kv.bytes_per_block
-    cost = toy_cost(kv_bytes_per_token=block_bytes // eng.kv.block_size, overhead_s=0.05,
-                    per_decode_seq_s=0.004, per_prefill_token_s=2e-4, link_bytes_per_s=1e12,
-                    num_kv_blocks=20, async_copies=False)
+    cost = toy_cost(
+        kv_bytes_per_token=block_bytes // eng.kv.block_size,
+        overhead_s=0.05,
+        per_decode_seq_s=0.004,
+        per_prefill_token_s=2e-4,
+        link_bytes_per_s=1e12,
+        num_kv_blocks=20,
+        async_copies=False,
+    )
     sim = build_engine(cost, policy, host_kv_gb=0.01, charge_scheduler=False)
     assert sim.scheduler.swapper.host.num_blocks == eng.scheduler.swapper.host.num_blocks
     clock = eng.clock = eng.scheduler.clock = VirtualClock()
@@ -2644,9 +3444,12 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
     schedules = []
     for engine in (eng, sim):
         decisions = bench.record_decisions(engine.scheduler)
-        reqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True,
-                                                     read_rate=(4, 8, 20)[i % 3]))
-                for i, p in enumerate(prompts)]
+        reqs = [
+            engine.add_request(
+                p, SamplingParams(max_tokens=40, ignore_eos=True, read_rate=(4, 8, 20)[i % 3])
+            )
+            for i, p in enumerate(prompts)
+        ]
         while engine.has_unfinished():
             engine.step()
         index = {id(r): i for i, r in enumerate(reqs)}
@@ -2660,8 +3463,22 @@ def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):
     """Turn k's prompt is turn k-1's prompt and answer plus a message, sent after that answer; with
     prefix caching, every later turn finds at least every block the previous turn filled (its
     last token has no KV yet), as the engine's counters say."""
-    args = bench.parse_args(["--multi-turn", "3", "--turns", "3", "--think-time", "0.05",
-                             "--prompt-len", "20:4", "--output-len", "12:2", "--read-rate", "20"])
+    args = bench.parse_args(
+        [
+            "--multi-turn",
+            "3",
+            "--turns",
+            "3",
+            "--think-time",
+            "0.05",
+            "--prompt-len",
+            "20:4",
+            "--output-len",
+            "12:2",
+            "--read-rate",
+            "20",
+        ]
+    )
     w = bench.build_workload(args)
     llm = LLM(ckpt, device="cpu", num_kv_blocks=256, block_size=bench.BLOCK_SIZE)
     run = bench.drive(llm.engine, w, "multi-turn")
@@ -2669,11 +3486,12 @@ def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):
     reqs = run.requests
     for i, prev in enumerate(w.follows):
         if prev >= 0:
-            assert reqs[i].prompt_token_ids[:reqs[prev].num_tokens] == reqs[prev].token_ids
+            assert reqs[i].prompt_token_ids[: reqs[prev].num_tokens] == reqs[prev].token_ids
             assert len(reqs[i].prompt_token_ids) > reqs[prev].num_tokens
             assert reqs[i].arrival_time >= reqs[prev].token_times[-1]
-    full = sum((reqs[p].num_tokens - 1) // bench.BLOCK_SIZE * bench.BLOCK_SIZE
-               for p in w.follows if p >= 0)
+    full = sum(
+        (reqs[p].num_tokens - 1) // bench.BLOCK_SIZE * bench.BLOCK_SIZE for p in w.follows if p >= 0
+    )
     hits = run.counters["prefix_hit_tokens"] + run.counters["prefix_host_hit_tokens"]
     assert full <= hits < sum(w.prompt_len)
 
@@ -2684,11 +3502,34 @@ def test_mooncake_replay_scaled_down_on_the_real_engine(ckpt, tmp_path, capsys):
     than an unbounded cache of every earlier prompt's full blocks could give; the plain-LRU bound
     is printed beside them."""
     trace = os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")
-    flags = ["--trace", trace, "--conversations", "3", "--trace-block", "4", "--time-scale",
-             "0.01", "--read-rate", "20"]
+    flags = [
+        "--trace",
+        trace,
+        "--conversations",
+        "3",
+        "--trace-block",
+        "4",
+        "--time-scale",
+        "0.01",
+        "--read-rate",
+        "20",
+    ]
     path = tmp_path / "mooncake.json"
-    bench.main(["--ckpt", str(ckpt), "--device", "cpu", "--num-kv-blocks", "256", "--policies",
-                "tokenflow", "--json", str(path), *flags])
+    bench.main(
+        [
+            "--ckpt",
+            str(ckpt),
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "256",
+            "--policies",
+            "tokenflow",
+            "--json",
+            str(path),
+            *flags,
+        ]
+    )
     out = capsys.readouterr().out
     assert "plain LRU of the trace's hash ids" in out and "blocks of 4)" in out
     m = json.loads(path.read_text())["policies"]["tokenflow"]
@@ -2715,13 +3556,16 @@ def test_gpu_check_on_a_cpu_skips_what_needs_a_gpu_and_survives_a_failure(ckpt, 
         pytest.skip("a GPU is here: --gpu-check would measure it")
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     bench.main(["--gpu-check", "--ckpt", str(ckpt), *BENCH_WORKLOAD, "--json", str(good)])
-    bench.main(["--gpu-check", "--ckpt", str(tmp_path / "missing"), "--burst", "4",
-                "--json", str(bad)])
+    bench.main(
+        ["--gpu-check", "--ckpt", str(tmp_path / "missing"), "--burst", "4", "--json", str(bad)]
+    )
     out = capsys.readouterr().out
     steps = json.loads(good.read_text())["steps"]
     assert list(steps) == ["cuda tests", "kernels", "transfers", "decode", "burst"]
-    assert all(r["status"] == "skipped" and "needs a CUDA GPU" in r["summary"]
-               for r in list(steps.values())[:4])
+    assert all(
+        r["status"] == "skipped" and "needs a CUDA GPU" in r["summary"]
+        for r in list(steps.values())[:4]
+    )
     burst = steps["burst"]
     assert burst["status"] == "ran" and list(burst["policies"]) == ["fcfs", "tokenflow"]
     assert all(m["completed"] == 4 for m in burst["policies"].values())
@@ -2747,21 +3591,37 @@ class SlowCopy:
 def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
     """As on a GPU, evicted blocks come back only when their copies finish: one eviction must be enough."""
     path, _ = tiny
-    no_reserve = FCFS(FCFSConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0))  # all four start at once
+    no_reserve = FCFS(
+        FCFSConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    )  # all four start at once
     # no prefix caching: a resumed request would load its prefix from host behind a fake event
-    llm = LLM(path, device="cpu", num_kv_blocks=8, host_kv_gb=0.01, policy=no_reserve,
-              enable_prefix_caching=False)
+    llm = LLM(
+        path,
+        device="cpu",
+        num_kv_blocks=8,
+        host_kv_gb=0.01,
+        policy=no_reserve,
+        enable_prefix_caching=False,
+    )
     engine, swapper = llm.engine, llm.engine.scheduler.swapper
-    swapper.pending_event = SlowCopy  # fcfs recomputes, but its freed blocks still wait for "copies in flight"
-    reqs = [engine.add_request([5] * 31, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-            for _ in range(4)]
-    for _ in range(3):  # prefill (2 blocks each: all 8 used), a decode, then every request needs a third block
+    swapper.pending_event = (
+        SlowCopy  # fcfs recomputes, but its freed blocks still wait for "copies in flight"
+    )
+    reqs = [
+        engine.add_request([5] * 31, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for _ in range(4)
+    ]
+    for _ in range(
+        3
+    ):  # prefill (2 blocks each: all 8 used), a decode, then every request needs a third block
         engine.step()
     assert engine.stats()["preemptions"] == 2 and len(engine.scheduler.running) == 2
     while engine.has_unfinished():
         engine.step()
     swapper.complete_all()
-    assert all(r.num_output_tokens == 8 for r in reqs) and engine.kv.num_free == engine.kv.num_blocks
+    assert (
+        all(r.num_output_tokens == 8 for r in reqs) and engine.kv.num_free == engine.kv.num_blocks
+    )
 
 
 # ---------------------------------------------------------------- the live view (GET /, its events)
@@ -2838,8 +3698,13 @@ def test_burst_endpoint_sends_its_requests_and_checks_its_input(server):
     assert status == 200 and body == {"submitted": 2, "requested": 2}
     length_finished = 'nanoflow_requests_total{outcome="length"}'
     wait_for(lambda: all_free(server) and scrape(server)[length_finished] >= 2, 30)
-    for bad in ({"read_rates": []}, {"prompt_len": 0}, {"read_rates": ["fast"]},
-                {"output_len": 10 ** 6}, {"prompt_len": True}):
+    for bad in (
+        {"read_rates": []},
+        {"prompt_len": 0},
+        {"read_rates": ["fast"]},
+        {"output_len": 10**6},
+        {"prompt_len": True},
+    ):
         status, _, err = call(server, "POST", "/v1/engine/burst", {**burst, **bad})
         assert status == 400 and err["error"]["message"], bad
 
@@ -2867,11 +3732,21 @@ class Browser:
             os.dup2(r, 3)
             os.dup2(w, 4)
 
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-                 f"--user-data-dir={profile}", "--window-size=1280,900"]
-        self.proc = subprocess.Popen([executable, *flags, url], preexec_fn=child_fds,
-                                     close_fds=False, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "--window-size=1280,900",
+        ]
+        self.proc = subprocess.Popen(
+            [executable, *flags, url],
+            preexec_fn=child_fds,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(cmd_r)
         os.close(reply_w)
         self.timeout, self.pending, self.next_id, self.events = timeout, b"", 0, []
@@ -2906,15 +3781,22 @@ class Browser:
             self.pending += chunk
 
     def evaluate(self, expression: str):
-        result = self.call("Runtime.evaluate", self.session, expression=expression,
-                           returnByValue=True)
+        result = self.call(
+            "Runtime.evaluate", self.session, expression=expression, returnByValue=True
+        )
         assert "exceptionDetails" not in result, result
         return result["result"].get("value")
 
     def resize(self, width: int, height: int, mobile: bool = False) -> None:
         """A window of this size; `mobile`: a phone's, which honours the page's viewport meta."""
-        self.call("Emulation.setDeviceMetricsOverride", self.session, width=width, height=height,
-                  deviceScaleFactor=1, mobile=mobile)
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            self.session,
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=mobile,
+        )
 
     def press_enter(self) -> None:
         """A real Enter key in the focused element (a form submits on it; setting .value does not)."""
@@ -2942,19 +3824,25 @@ def chromium() -> str:
     return found
 
 
-ROWS_JS = ("JSON.stringify([...document.querySelectorAll('#rows tr')]"
-           ".map(t => [t.dataset.id, t.dataset.buffer]))")
+ROWS_JS = (
+    "JSON.stringify([...document.querySelectorAll('#rows tr')]"
+    ".map(t => [t.dataset.id, t.dataset.buffer]))"
+)
 KEY_ASKED_JS = "typeof $ === 'function' && !$('keyform').hidden"
 # the answer box shows its newest text: scrolled to its bottom
 AT_BOTTOM_JS = "(b => b.scrollTop + b.clientHeight >= b.scrollHeight - 2)($('answer'))"
 # (the box, its left, right, top, bottom) of each panel shown, the window's width, the page's width
-PANELS_JS = ("JSON.stringify([[...document.querySelectorAll('section:not([hidden]), .scroll')]"
-             ".map(s => [s.querySelector('h2') ? s.querySelector('h2').textContent : s.className,"
-             " ...['left', 'right', 'top', 'bottom'].map(k => s.getBoundingClientRect()[k])]),"
-             " innerWidth, document.documentElement.scrollWidth])")
+PANELS_JS = (
+    "JSON.stringify([[...document.querySelectorAll('section:not([hidden]), .scroll')]"
+    ".map(s => [s.querySelector('h2') ? s.querySelector('h2').textContent : s.className,"
+    " ...['left', 'right', 'top', 'bottom'].map(k => s.getBoundingClientRect()[k])]),"
+    " innerWidth, document.documentElement.scrollWidth])"
+)
 # the chart drawn at its size on screen (its text never stretched): canvas pixels = CSS pixels
-CHART_SHARP_JS = ("(c => c.width === Math.round(c.clientWidth * devicePixelRatio) &&"
-                  " c.height === Math.round(c.clientHeight * devicePixelRatio))($('chart'))")
+CHART_SHARP_JS = (
+    "(c => c.width === Math.round(c.clientWidth * devicePixelRatio) &&"
+    " c.height === Math.round(c.clientHeight * devicePixelRatio))($('chart'))"
+)
 
 
 def test_live_page_in_headless_chromium(tmp_path, ckpt, monkeypatch):
@@ -2968,8 +3856,9 @@ def test_live_page_in_headless_chromium(tmp_path, ckpt, monkeypatch):
     loading; no console error and no 404 on the way."""
     executable = chromium()
     llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
-    srv = make_server(llm, "127.0.0.1", 0, api_key="sekrit",
-                      generation_config={"ignore_eos": True}).start()  # every chat: 256 tokens
+    srv = make_server(
+        llm, "127.0.0.1", 0, api_key="sekrit", generation_config={"ignore_eos": True}
+    ).start()  # every chat: 256 tokens
     holding, permits, step = threading.Event(), threading.Semaphore(0), llm.engine.step
 
     def held_step():  # while holding, a step with requests takes a permit (an idle one never waits)
@@ -2992,8 +3881,13 @@ def test_live_page_in_headless_chromium(tmp_path, ckpt, monkeypatch):
         live_buffers_rise_and_fall(browser, srv, tmp_path)
         live_shows_accepted_requests_and_long_steps(browser, holding, permits)
         live_chat_follows_and_stops(browser, srv, holding, permits)
-        for width, height, mobile in [(360, 740, True), (390, 844, True), (1000, 700, False),
-                                      (1920, 1080, False), (2560, 1440, False)]:
+        for width, height, mobile in [
+            (360, 740, True),
+            (390, 844, True),
+            (1000, 700, False),
+            (1920, 1080, False),
+            (2560, 1440, False),
+        ]:
             live_fits(browser, width, height, mobile)
             (tmp_path / f"live-{width}.png").write_bytes(browser.screenshot())
         port = srv.server_address[1]
@@ -3006,8 +3900,10 @@ def test_live_page_in_headless_chromium(tmp_path, ckpt, monkeypatch):
         srv2.attach(LLM(ckpt, device="cpu", num_kv_blocks=32))
         wait_for(lambda: browser.evaluate("$('device').textContent") == "0 / 32", 30)
         # the first server's lines, rows and counts are gone; the page is live again
-        assert browser.evaluate("[lines.size, $('rows').children.length, $('engine').className,"
-                                " getComputedStyle($('gone')).display]") == [0, 0, "", "none"]
+        assert browser.evaluate(
+            "[lines.size, $('rows').children.length, $('engine').className,"
+            " getComputedStyle($('gone')).display]"
+        ) == [0, 0, "", "none"]
         assert_no_console_error(browser.events)
     finally:
         holding.clear()
@@ -3029,8 +3925,11 @@ def live_buffers_rise_and_fall(browser, srv, tmp_path) -> None:
     while len(ids) < 3 or any(i not in seen for i in ids) or any(i in current for i in ids):
         if last_token_at is None and not any(s.is_alive() for s in streams):
             last_token_at = time.monotonic()
-        assert (time.monotonic() - last_token_at < 16 / 2 + 30 if last_token_at
-                else time.monotonic() - start < 300), (ids, seen)
+        assert (
+            time.monotonic() - last_token_at < 16 / 2 + 30
+            if last_token_at
+            else time.monotonic() - start < 300
+        ), (ids, seen)
         current = dict(json.loads(browser.evaluate(ROWS_JS)))
         for request_id, buffer in current.items():
             seen.setdefault(request_id, []).append(int(buffer))
@@ -3051,8 +3950,10 @@ def live_shows_accepted_requests_and_long_steps(browser, holding, permits) -> No
     """With the engine's next step held, the burst's requests that the engine thread took show at
     once (waiting), and after a second the page says a step is in progress; all go once it ends."""
     holding.set()
-    browser.evaluate("$('n').value = 2; $('plen').value = 8; $('olen').value = 4;"
-                     "$('mix').value = '50'; $('burst').click()")
+    browser.evaluate(
+        "$('n').value = 2; $('plen').value = 8; $('olen').value = 4;"
+        "$('mix').value = '50'; $('burst').click()"
+    )
     wait_for(lambda: browser.evaluate("$('burststate').textContent") == "sent 2 of 2", 30)
     # the engine thread took the first before its step (the second may come while it is held)
     wait_for(lambda: json.loads(browser.evaluate(STATES_JS))[:1] == ["waiting"], 30)
@@ -3069,15 +3970,21 @@ def live_chat_follows_and_stops(browser, srv, holding, permits) -> None:
     which the engine holds (100 steps, then none) so that it cannot finish first."""
     holding.set()
     permits.release(100)
-    browser.evaluate("$('answer').style.cssText = 'min-height: 0; max-height: 3em; width: 8em';"
-                     "$('rate').value = 30; $('send').click()")
+    browser.evaluate(
+        "$('answer').style.cssText = 'min-height: 0; max-height: 3em; width: 8em';"
+        "$('rate').value = 30; $('send').click()"
+    )
     length = lambda: browser.evaluate("$('answer').textContent.length")  # noqa: E731
-    wait_for(lambda: browser.evaluate("(b => b.scrollHeight > b.clientHeight + 20)($('answer'))"), 60)
+    wait_for(
+        lambda: browser.evaluate("(b => b.scrollHeight > b.clientHeight + 20)($('answer'))"), 60
+    )
     assert browser.evaluate(AT_BOTTOM_JS)
     shown = browser.evaluate("$('answer').scrollTop = 0; $('answer').textContent.length")
     wait_for(lambda: length() > shown + 10, 60)
     assert browser.evaluate("$('answer').scrollTop") == 0  # scrolled up: left there
-    shown = browser.evaluate("(b => (b.scrollTop = b.scrollHeight, b.textContent.length))($('answer'))")
+    shown = browser.evaluate(
+        "(b => (b.scrollTop = b.scrollHeight, b.textContent.length))($('answer'))"
+    )
     wait_for(lambda: length() > shown + 10, 60)
     assert browser.evaluate(AT_BOTTOM_JS)
     browser.evaluate("$('stop').click()")
@@ -3121,8 +4028,13 @@ def assert_no_console_error(events: list[dict]) -> None:
 def stream_with_key(server, rate: float, ids: list[str]) -> None:
     """A streaming chat request behind the key; its id goes into `ids` as soon as it is known."""
     conn = connect(server)
-    body = {"messages": HELLO, "max_tokens": 16, "ignore_eos": True, "read_rate": rate,
-            "stream": True}
+    body = {
+        "messages": HELLO,
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "read_rate": rate,
+        "stream": True,
+    }
     conn.request("POST", CHAT, json.dumps(body), {"Authorization": "Bearer sekrit"})
     chunks = sse(conn.getresponse())
     ids.append(next(chunks)[1]["id"])
@@ -3132,16 +4044,31 @@ def stream_with_key(server, rate: float, ids: list[str]) -> None:
 def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits():
     """Equal leading ids give equal leading tokens (so the engine's cache can find them); the plain LRU
     bound, checked on a toy trace by hand, and on the real trace against its unbounded rate."""
-    args = bench.parse_args(["--trace", os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")])
+    args = bench.parse_args(
+        ["--trace", os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")]
+    )
     w = bench.build_workload(args)
-    assert len(w) == 3993 and all(len(ids) == -(-p // 512) for ids, p in zip(w.block_ids, w.prompt_len))
-    i, j = next((i, j) for i in range(len(w)) for j in range(i + 1, len(w))
-                if w.block_ids[i][:2] == w.block_ids[j][:2] and w.block_ids[i][2:3] != w.block_ids[j][2:3])
+    assert len(w) == 3993 and all(
+        len(ids) == -(-p // 512) for ids, p in zip(w.block_ids, w.prompt_len)
+    )
+    i, j = next(
+        (i, j)
+        for i in range(len(w))
+        for j in range(i + 1, len(w))
+        if w.block_ids[i][:2] == w.block_ids[j][:2] and w.block_ids[i][2:3] != w.block_ids[j][2:3]
+    )
     a, b = w.prompt_ids(i), w.prompt_ids(j)
     assert len(a) == w.prompt_len[i] and a[:1024] == b[:1024] and a[1024:1536] != b[1024:1536]
-    toy = [[1, 2], [1, 2, 3], [4], [1, 5]]  # hits: 0, 2 (1, 2), 0, then 1 (1) unless evicted by 3, 4
+    toy = [
+        [1, 2],
+        [1, 2, 3],
+        [4],
+        [1, 5],
+    ]  # hits: 0, 2 (1, 2), 0, then 1 (1) unless evicted by 3, 4
     assert bench.lru_hit_rate(toy, 100) == 3 / 8 and bench.lru_hit_rate(toy, 3) == 2 / 8
-    assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(0.64, abs=0.01)  # the trace's README
+    assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(
+        0.64, abs=0.01
+    )  # the trace's README
 
 
 # ------------------------------------------------ issue 29: a README that invites, a live page that works on any screen
@@ -3172,7 +4099,9 @@ def test_readme_and_docs_links_point_at_what_exists():
             assert os.path.exists(file), f"{os.path.relpath(page, root)}: no {target}"
             if part and file.endswith(".md"):
                 headings = re.findall(r"^#+ (.+)$", open(file, encoding="utf-8").read(), re.M)
-                assert part in map(markdown_anchor, headings), f"{os.path.relpath(page, root)}: {target}"
+                assert part in map(markdown_anchor, headings), (
+                    f"{os.path.relpath(page, root)}: {target}"
+                )
             checked += 1
     assert checked >= 10  # the pattern finds the links
     assert os.path.getsize(os.path.join(root, "README.md")) < 15_000
@@ -3189,31 +4118,58 @@ def test_live_view_says_how_long_the_engine_thread_has_been_in_one_step():
         assert view.next(version) == {"version": 0, "busy_s": 3.5}
     assert view.snapshot is None
     assert [live.paused_with(b) for b in (None, -0.1, 2.25)] == [
-        "before its first token", "while stalling", "with 2.2 s of buffer"]
+        "before its first token",
+        "while stalling",
+        "with 2.2 s of buffer",
+    ]
+
+
 # ------------------------------------------------ issue 27: Qwen3, Llama 3.2, Mistral; thinking models
 # Each family against transformers on a random checkpoint the test writes (every RMSNorm weight random, so
 # that a norm skipped or misplaced shows); GGUF files written with the `gguf` package's own writer and tensor
 # names; the reasoning split on a fixed template and a forced token stream.
 
-LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+LLAMA32_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 def write_family(path, family: str, seed: int = 0):
     """A random checkpoint of a new family, saved by transformers; returns the transformers model. Qwen3's
     tokenizer has its think markers (added, not special) and its template Qwen3's generation prompt."""
     from tokenizers import AddedToken, Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if family == "qwen3":  # head_dim 32 != 64 / 4, GQA, untied (as Qwen3-8B)
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, eos_token_id=2))
-    elif family == "llama3.2":  # Llama 3.2 1B's shape, scaled down: tied, one KV head per 4, rope factor 32
-        cfg = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=True, rope_scaling=LLAMA32_ROPE,
-                          rope_theta=500000.0, eos_token_id=2)
+    elif (
+        family == "llama3.2"
+    ):  # Llama 3.2 1B's shape, scaled down: tied, one KV head per 4, rope factor 32
+        cfg = LlamaConfig(
+            **{**TINY, "num_key_value_heads": 1},
+            tie_word_embeddings=True,
+            rope_scaling=LLAMA32_ROPE,
+            rope_theta=500000.0,
+            eos_token_id=2,
+        )
         model = LlamaForCausalLM(cfg)
     else:
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, eos_token_id=2))
@@ -3227,8 +4183,9 @@ def write_family(path, family: str, seed: int = 0):
         tk = Tokenizer.from_file(str(path / "tokenizer.json"))
         tk.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
         tk.save(str(path / "tokenizer.json"))
-        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE,
-                                                                "eos_token": "<|im_end|>"}))
+        (path / "tokenizer_config.json").write_text(
+            json.dumps({"chat_template": QWEN3_TEMPLATE, "eos_token": "<|im_end|>"})
+        )
     return model
 
 
@@ -3249,12 +4206,23 @@ def test_new_families_match_transformers_batched_chunked_and_preempted(family):
     prompts = random_prompts(5, TINY["vocab_size"], seed=2, lengths=(10, 70))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     # chunked prefill (24-token steps) mixed with decodes, a request preempted every 3 steps
-    batched = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
-                  policy=Forced(3, "load"))
+    batched = LLM(
+        path,
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        host_kv_gb=0.01,
+        policy=Forced(3, "load"),
+    )
     outs = batched.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert out.token_ids == ref, name
     assert batched.stats()["preemptions"] >= len(prompts)
 
@@ -3266,18 +4234,29 @@ def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(fam
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GemmaForCausalLM"]}))
-    with pytest.raises(ValueError, match="'GemmaForCausalLM'.*LlamaForCausalLM, MistralForCausalLM, "
-                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["GemmaForCausalLM"]})
+    )
+    with pytest.raises(
+        ValueError,
+        match="'GemmaForCausalLM'.*LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         LLM(tmp_path, device="cpu", num_kv_blocks=64)
     # Mistral v0.1 attends to a window of the last tokens: served only when the context fits inside it
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
     with pytest.raises(ValueError, match="sliding_window.*max_model_len <= 100 \\(now 512\\)"):
         LLM(tmp_path, device="cpu", num_kv_blocks=64)
-    assert LLM(tmp_path, device="cpu", num_kv_blocks=64, max_model_len=100).engine.max_model_len == 100
-    assert LLM(tmp_path, device="cpu", num_kv_blocks=4).engine.max_model_len == 64  # the pool is the context
+    assert (
+        LLM(tmp_path, device="cpu", num_kv_blocks=64, max_model_len=100).engine.max_model_len == 100
+    )
+    assert (
+        LLM(tmp_path, device="cpu", num_kv_blocks=4).engine.max_model_len == 64
+    )  # the pool is the context
     # Qwen2/3 configs name a window and switch it off
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False})
+    )
     assert LLM(tmp_path, device="cpu", num_kv_blocks=64).engine.max_model_len == 512
 
 
@@ -3308,23 +4287,40 @@ def write_gguf(path, ckpt, hf) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)])
-    writer.add_token_types([kinds[added[t]] if t in added else gguf.TokenType.NORMAL for t in tokens]
-                           + [gguf.TokenType.USER_DEFINED] * (cfg.vocab_size - len(tokens)))
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_token_types(
+        [kinds[added[t]] if t in added else gguf.TokenType.NORMAL for t in tokens]
+        + [gguf.TokenType.USER_DEFINED] * (cfg.vocab_size - len(tokens))
+    )
+    writer.add_token_merges(
+        [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    )
     writer.add_eos_token_id(vocab["<|im_end|>"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3 if arch == "qwen3" else gguf.MODEL_ARCH.LLAMA,
-                                     cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.QWEN3 if arch == "qwen3" else gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers
+    )
     for name, w in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's permute
+        if arch == "llama" and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):  # llama.cpp's permute
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), w.float().numpy())
+            w = (
+                w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1])
+                .swapaxes(1, 2)
+                .reshape(w.shape)
+            )
+        writer.add_tensor(
+            names.get_name(name, try_suffixes=(".weight", ".bias")), w.float().numpy()
+        )
     if cfg.rope_parameters.get("rope_type") == "llama3":  # divisors of the default frequencies
         d = cfg.head_dim
-        default = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        writer.add_tensor("rope_freqs.weight", (default / hf.model.rotary_emb.inv_freq.double()).float().numpy())
+        default = 1.0 / cfg.rope_parameters["rope_theta"] ** (
+            torch.arange(0, d, 2, dtype=torch.float64) / d
+        )
+        writer.add_tensor(
+            "rope_freqs.weight", (default / hf.model.rotary_emb.inv_freq.double()).float().numpy()
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -3344,12 +4340,16 @@ def test_gguf_matches_the_same_safetensors_checkpoint(family, tmp_path):
     assert (engine_logits(from_gguf, prompt) - engine_logits(from_hf, prompt)).abs().max() <= 1e-5
     prompts = random_prompts(3, TINY["vocab_size"], seed=4, lengths=(5, 40))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert ([o.token_ids for o in from_gguf.generate(prompts, params)]
-            == [o.token_ids for o in from_hf.generate(prompts, params)])
+    assert [o.token_ids for o in from_gguf.generate(prompts, params)] == [
+        o.token_ids for o in from_hf.generate(prompts, params)
+    ]
     text = "<think>\nthe quick</think> brown fox<|im_end|>"
     assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
-    assert from_gguf.tokenizer.decode(from_hf.tokenizer.encode(text)) == from_hf.tokenizer.decode(
-        from_hf.tokenizer.encode(text)) == text.removesuffix("<|im_end|>")
+    assert (
+        from_gguf.tokenizer.decode(from_hf.tokenizer.encode(text))
+        == from_hf.tokenizer.decode(from_hf.tokenizer.encode(text))
+        == text.removesuffix("<|im_end|>")
+    )
     if name == "qwen3":  # the markers are one token each, as in Qwen3's own tokenizer
         assert len(from_gguf.tokenizer.encode("<think></think>")) == 2
 
@@ -3361,8 +4361,18 @@ REASONING_CASES = [  # output text, end of the prompt, the reasoning and the con
     ("<think>\nthe fox</thi", "assistant\n", "\nthe fox</thi", ""),  # cut inside the end marker
     ("<thi", "assistant\n", "", "<thi"),  # began like a marker; was not one
     ("<think>", "assistant\n", "", ""),
-    ("the fox\n</think>\n\nhello", "assistant\n<think>\n", "the fox\n", "\n\nhello"),  # the template opened it
-    ("hello", "<think>\n\n</think>\n\n", "", "hello"),  # enable_thinking=False: an empty block in the prompt
+    (
+        "the fox\n</think>\n\nhello",
+        "assistant\n<think>\n",
+        "the fox\n",
+        "\n\nhello",
+    ),  # the template opened it
+    (
+        "hello",
+        "<think>\n\n</think>\n\n",
+        "",
+        "hello",
+    ),  # enable_thinking=False: an empty block in the prompt
     ("<think>a<</think>b</think>", "", "a<", "b</think>"),
 ]
 
@@ -3375,7 +4385,9 @@ def test_reasoning_parser_splits_every_chunking_of_a_text_alike(text, tail, reas
     for pieces in [[text[:i], text[i:j], text[j:]] for i, j in cuts] + [list(text)]:
         parser = ReasoningParser("qwen3", tail)
         got = [parser.feed(p) for p in pieces] + [parser.flush()]
-        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content), pieces
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content), (
+            pieces
+        )
 
 
 @pytest.fixture(scope="module")
@@ -3387,8 +4399,13 @@ def thinking_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def thinking_server(thinking_ckpt):
-    srv = make_server(LLM(thinking_ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny",
-                      reasoning_parser="qwen3").start()
+    srv = make_server(
+        LLM(thinking_ckpt, device="cpu", num_kv_blocks=64),
+        "127.0.0.1",
+        0,
+        model="tiny",
+        reasoning_parser="qwen3",
+    ).start()
     yield srv
     srv.shutdown()
 
@@ -3397,7 +4414,9 @@ def force_output(server, monkeypatch, text: str) -> list[int]:
     """Every request generates the tokens of `text`, then end-of-turn: the model's own sampling is skipped."""
     tok = server.engine.tokenizer
     ids = tok.encode(text) + [tok.tk.token_to_id("<|im_end|>")]
-    monkeypatch.setattr(server.engine, "run", lambda batch: [ids[r.num_output_tokens] for r in batch.sampled])
+    monkeypatch.setattr(
+        server.engine, "run", lambda batch: [ids[r.num_output_tokens] for r in batch.sampled]
+    )
     return ids
 
 
@@ -3407,21 +4426,34 @@ def chat_both_ways(server, body: dict) -> tuple[list[dict], list[list[dict]], di
     assert status == 200, whole
     sock, resp = open_stream(server, CHAT, {"messages": HELLO, **body})
     chunks = [c for _, c in sse(resp) if c != "[DONE]"]
-    deltas = [[c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
-              for i in range(len(whole["choices"]))]
+    deltas = [
+        [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+        for i in range(len(whole["choices"]))
+    ]
     assert [c["finish_reason"] for c in whole["choices"]] == [
         [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["index"] == i][-1]
-        for i in range(len(whole["choices"]))]
+        for i in range(len(whole["choices"]))
+    ]
     return [c["message"] for c in whole["choices"]], deltas, whole
 
 
-@pytest.mark.parametrize("body,reasoning,content,finish", [
-    ({"n": 2}, "\nthe fox\n", "\n\nhello world", "stop"),
-    ({"max_tokens": 3}, None, None, "length"),  # cut while thinking: the reasoning so far, no answer
-    ({"stop": ["fox"]}, "\nthe ", None, "stop"),  # a stop string inside the thinking stops it
-    ({"stop": ["hello"]}, "\nthe fox\n", "\n\n", "stop"),
-])
-def test_reasoning_content_streamed_and_whole(thinking_server, monkeypatch, body, reasoning, content, finish):
+@pytest.mark.parametrize(
+    "body,reasoning,content,finish",
+    [
+        ({"n": 2}, "\nthe fox\n", "\n\nhello world", "stop"),
+        (
+            {"max_tokens": 3},
+            None,
+            None,
+            "length",
+        ),  # cut while thinking: the reasoning so far, no answer
+        ({"stop": ["fox"]}, "\nthe ", None, "stop"),  # a stop string inside the thinking stops it
+        ({"stop": ["hello"]}, "\nthe fox\n", "\n\n", "stop"),
+    ],
+)
+def test_reasoning_content_streamed_and_whole(
+    thinking_server, monkeypatch, body, reasoning, content, finish
+):
     ids = force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
     messages, deltas, whole = chat_both_ways(thinking_server, body)
     if body.get("max_tokens") == 3:  # whatever the first three tokens spell after the marker
@@ -3430,8 +4462,11 @@ def test_reasoning_content_streamed_and_whole(thinking_server, monkeypatch, body
     if "n" in body:  # max_tokens and usage count the thinking too
         assert whole["usage"]["completion_tokens"] == 2 * len(ids)
     for message, streamed in zip(messages, deltas, strict=True):
-        assert (message["reasoning_content"], message["content"], whole["choices"][0]["finish_reason"]) == (
-            reasoning, content, finish)
+        assert (
+            message["reasoning_content"],
+            message["content"],
+            whole["choices"][0]["finish_reason"],
+        ) == (reasoning, content, finish)
         assert streamed[0] == {"role": "assistant", "content": ""}
         kinds = [k for d in streamed[1:] for k in d]
         assert kinds == sorted(kinds, key=lambda k: k == "content")  # the thinking streams first
@@ -3447,10 +4482,14 @@ def test_an_answer_without_thinking_and_chat_template_kwargs(thinking_server, mo
     assert (messages[0]["reasoning_content"], messages[0]["content"]) == (None, "hello world")
     assert all("reasoning_content" not in d for d in deltas[0])
     # the template's kwargs reach it: Qwen3's empty think block ends the prompt
-    assert thinking_server.engine.tokenizer.decode(got[0][0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert thinking_server.engine.tokenizer.decode(got[0][0]).endswith(
+        "assistant\n<think>\n\n</think>\n\n"
+    )
     status, _, default = call(thinking_server, "POST", "/tokenize", {"messages": HELLO})
     assert thinking_server.engine.tokenizer.decode(default["tokens"]).endswith("assistant\n")
-    status, _, err = call(thinking_server, "POST", CHAT, {"messages": HELLO, "chat_template_kwargs": [1]})
+    status, _, err = call(
+        thinking_server, "POST", CHAT, {"messages": HELLO, "chat_template_kwargs": [1]}
+    )
     assert status == 400 and "chat_template_kwargs" in err["error"]["message"]
 
 
@@ -3492,12 +4531,16 @@ class FakeEvent:
         return 1.0
 
 
-def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_its_blocks(monkeypatch):
+def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_its_blocks(
+    monkeypatch,
+):
     """Copies to host and loads each have a stream and a queue: a load issued while an eviction is in
     flight does not wait for it (both are in flight at once), unless the eviction fills the very host
     blocks the load reads: then it waits for exactly those, and the KV loaded is the KV evicted."""
     shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
-    monkeypatch.setattr("nanoflow.swap.STAGING_BYTES", 2 * 2 * 2 * 4 * 2 * 8 * 4)  # 2 blocks a chunk
+    monkeypatch.setattr(
+        "nanoflow.swap.STAGING_BYTES", 2 * 2 * 2 * 4 * 2 * 8 * 4
+    )  # 2 blocks a chunk
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
@@ -3510,8 +4553,14 @@ def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_it
     device.kv_cache.copy_(torch.randn(device.kv_cache.shape))
 
     def request(num_tokens):
-        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=[], num_host_tokens=0,
-                                    num_computed_tokens=num_tokens, load_event=None)
+        req = types.SimpleNamespace(
+            block_table=[],
+            host_block_table=[],
+            block_hashes=[],
+            num_host_tokens=0,
+            num_computed_tokens=num_tokens,
+            load_event=None,
+        )
         assert device.grow(req.block_table, num_tokens)
         return req, device.kv_cache[req.block_table].clone()
 
@@ -3573,11 +4622,17 @@ def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, m
     body = dict(prompt=list(range(3, 53)), max_tokens=10)
     streams = [open_stream(server, "/v1/completions", body) for _ in range(6)]
     status, resp, err = call(server, "POST", "/v1/completions", body)
-    assert status == 503 and resp.getheader("Retry-After") == "5" and err["error"]["code"] == "overloaded"
+    assert (
+        status == 503
+        and resp.getheader("Retry-After") == "5"
+        and err["error"]["code"] == "overloaded"
+    )
     gate.set()
     for _, resp in streams:
         assert [c for _, c in sse(resp)][-1] == "[DONE]"
     assert all_free(server)
+
+
 # ------------------------------------------------ issue 28: tensor parallelism
 # Two ranks on this CPU over gloo, each a process; tiny random-weight checkpoints keep them quick.
 
@@ -3610,14 +4665,16 @@ def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
         assert llm.engine.kv.kv_cache.shape[-2] == max(1, kv_heads // 2)
         assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
         whole = ("norm", "k_proj", "v_proj") if kv_heads == 1 else ("norm",)
-        for (name, p), mine in zip(one.engine.model.named_parameters(),
-                                   llm.engine.model.parameters()):
+        for (name, p), mine in zip(
+            one.engine.model.named_parameters(), llm.engine.model.parameters()
+        ):
             assert mine.numel() == p.numel() // (1 if any(w in name for w in whole) else 2), name
 
 
 @pytest.mark.timeout(60)
 def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_and_stops_the_workers(
-        ckpt, monkeypatch):
+    ckpt, monkeypatch
+):
     started = []
     launch = dist.launch
 
@@ -3625,6 +4682,7 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_and_stops_the
         shard = launch(*args)
         started.extend(dist.workers)
         return shard
+
     monkeypatch.setattr(dist, "launch", recording_launch)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         LLM(ckpt, device="cpu", tensor_parallel_size=3)
@@ -3644,8 +4702,13 @@ def test_tensor_parallel_greedy_matches_one_rank(tmp_path, arch, resume):
     one = LLM(tmp_path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = [o.token_ids for o in one.generate(prompts, params)]
-    with tensor_parallel(tmp_path, num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
-                         policy=Forced(2, resume)) as llm:
+    with tensor_parallel(
+        tmp_path,
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        host_kv_gb=0.01,
+        policy=Forced(2, resume),
+    ) as llm:
         for _ in range(2):
             assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         stats = llm.stats()
@@ -3675,14 +4738,29 @@ def test_tensor_parallel_under_torchrun(ckpt, tmp_path):
     """torchrun starts both ranks (as on several machines); rank 1's LLM() serves rank 0's steps."""
     prompt = random_prompts(1, TINY["vocab_size"], seed=26, lengths=(30, 30))[0]
     script = tmp_path / "run.py"
-    script.write_text(f"import sys\nfrom nanoflow import LLM, SamplingParams\n"
-                      f"llm = LLM(sys.argv[1], device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
-                      f"p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
-                      f"print('tokens', llm.generate([{prompt}], p)[0].token_ids)\n")
+    script.write_text(
+        f"import sys\nfrom nanoflow import LLM, SamplingParams\n"
+        f"llm = LLM(sys.argv[1], device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
+        f"p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+        f"print('tokens', llm.generate([{prompt}], p)[0].token_ids)\n"
+    )
     repo = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(script), str(ckpt)], capture_output=True,
-                         text=True, timeout=100, env={**os.environ, "PYTHONPATH": repo})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(ckpt),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
     assert out.returncode == 0, out.stderr
     one = LLM(ckpt, device="cpu", num_kv_blocks=16)
     expected = one.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -3693,7 +4771,7 @@ def process_state(pid: int) -> tuple[int, str] | None:
     """(parent pid, state letter) of a process from /proc; None once it is gone."""
     with contextlib.suppress(OSError):
         text = open(f"/proc/{pid}/stat").read()
-        state, ppid = text[text.rindex(")") + 2:].split()[:2]
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
         return int(ppid), state
     return None
 
@@ -3709,11 +4787,28 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
     """A chat answer streams from two ranks. A dead worker ends the server within 5 s with an error
     naming it; Ctrl-C or a service manager's SIGTERM (to the whole process group) drains and ends
     it with 0. Either way no process of it is left."""
-    proc = subprocess.Popen([sys.executable, "-m", "nanoflow.serve", "--ckpt", str(ckpt), "--port",
-                             "0", "--device", "cpu", "--num-kv-blocks", "64",
-                             "--tensor-parallel-size", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanoflow.serve",
+            "--ckpt",
+            str(ckpt),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "64",
+            "--tensor-parallel-size",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     kids = []
     try:
         proc.stdout.readline()
@@ -3735,7 +4830,9 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
             os.killpg(proc.pid, getattr(signal, end))
             assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10
-        while any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline:
+        while (
+            any((process_state(k) or "ZZ")[1] != "Z" for k in kids) and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         assert kids and all((process_state(k) or "ZZ")[1] == "Z" for k in kids)
     finally:
@@ -3745,8 +4842,9 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
                 os.kill(k, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9),
-                                                 ("4x4090-qwen2.5-32b", 4, 24e9)])
+@pytest.mark.parametrize(
+    "preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9), ("4x4090-qwen2.5-32b", 4, 24e9)]
+)
 def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
     from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
 
@@ -3770,42 +4868,104 @@ import nanoflow.engine  # noqa: E402
 from nanoflow.tools import ToolCallStream, ToolRequest, parse_tool_calls  # noqa: E402
 
 SCHEMAS = [
-    {"type": "object", "properties": {  # nested, bounded array of enums, nullable pattern, integer range
-        "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 18, "maximum": 99},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 2},
-        "email": {"type": ["string", "null"], "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
-        "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["zip"], "additionalProperties": False}},
-     "required": ["name", "age", "tags", "email", "address"], "additionalProperties": False},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 1, "items": {
-        "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["sku", "qty"], "additionalProperties": False}}, "paid": {"type": "boolean"}},
-     "required": ["items", "paid"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", None]},
-                                      "level": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3},
-                                                          {"type": "null"}]}},
-     "required": ["mood", "level"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {  # nested, bounded array of enums, nullable pattern, integer range
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 2,
+            },
+            "email": {"type": ["string", "null"], "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
+            "address": {
+                "type": "object",
+                "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["zip"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "tags", "email", "address"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 1,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            },
+            "paid": {"type": "boolean"},
+        },
+        "required": ["items", "paid"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "mood": {"enum": ["happy", "sad", None]},
+            "level": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "null"}]},
+        },
+        "required": ["mood", "level"],
+        "additionalProperties": False,
+    },
 ]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-                   "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 # what Hermes-style templates (Qwen2.5's, NousResearch's) do with tools, calls and results
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
-    "{% endfor %}</tools>\nAnswer a call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    '{% endfor %}</tools>\nAnswer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
     "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]"
-    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def valid_call(call: dict) -> dict:
@@ -3819,26 +4979,41 @@ def valid_call(call: dict) -> dict:
 
 def test_tool_call_parsers_on_fixed_texts():
     names = ["get_weather", "get_time"]
-    calls = lambda text: [(c["function"]["name"], json.loads(c["function"]["arguments"]))  # noqa: E731
-                          for c in parse_tool_calls(text, names)[1]]
+    calls = lambda text: [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))  # noqa: E731
+        for c in parse_tool_calls(text, names)[1]
+    ]
     paris = ("get_weather", {"city": "Paris"})
     # Llama 3: bare JSON with "parameters", an optional <|python_tag|>, several separated by ';'
     assert calls('{"name": "get_weather", "parameters": {"city": "Paris"}}') == [paris]
-    assert calls('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-                 '{"name": "get_time", "parameters": {"zone": "CET"}}') == [paris, ("get_time", {"zone": "CET"})]
-    assert calls('[{"name": "get_weather", "arguments": {"city": "Paris"}}]') == [paris]  # "required"'s array
+    assert calls(
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {"zone": "CET"}}'
+    ) == [paris, ("get_time", {"zone": "CET"})]
+    assert calls('[{"name": "get_weather", "arguments": {"city": "Paris"}}]') == [
+        paris
+    ]  # "required"'s array
     # Hermes / Qwen: <tool_call> blocks, two in one answer, text around them is content
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    )
     content, found = parse_tool_calls(text, names)
     assert content == "Let me check.\n\n" and calls(text) == [paris, ("get_time", {"zone": "CET"})]
     assert len({c["id"] for c in found}) == 2
-    assert calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}') == [paris]  # unclosed at EOS
+    assert calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}') == [
+        paris
+    ]  # unclosed at EOS
     # malformed, unknown or argument-less calls stay content, whole
-    for text in ['<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
-                 '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>oops</tool_call>',
-                 '{"name": "launch_rockets", "parameters": {}}', '{"name": "get_weather"}',
-                 '{"city": "Paris"} and more', "It is sunny.", ""]:
+    for text in [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>oops</tool_call>',
+        '{"name": "launch_rockets", "parameters": {}}',
+        '{"name": "get_weather"}',
+        '{"city": "Paris"} and more',
+        "It is sunny.",
+        "",
+    ]:
         assert parse_tool_calls(text, names) == (text, []), text
 
 
@@ -3855,32 +5030,47 @@ def assembled(deltas: list[dict]) -> tuple[str, list]:
     return content, [calls[i] for i in sorted(calls)]
 
 
-@pytest.mark.parametrize("choice,text", [
-    ("auto", 'I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-             '\n</tool_call>'),
-    ("auto", ' {"name": "get_time", "parameters": {"zone": "CET"}}'),
-    ("auto", "It is sunny in Paris, <tool this is no call> and {braces} stay text."),
-    ("auto", '{"not": "a call"}'),
-    ("required", '[{"name": "get_time", "arguments": {"zone": "UTC"}}, '
-                 '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]'),
-    ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
-])
+@pytest.mark.parametrize(
+    "choice,text",
+    [
+        (
+            "auto",
+            'I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+            "\n</tool_call>",
+        ),
+        ("auto", ' {"name": "get_time", "parameters": {"zone": "CET"}}'),
+        ("auto", "It is sunny in Paris, <tool this is no call> and {braces} stay text."),
+        ("auto", '{"not": "a call"}'),
+        (
+            "required",
+            '[{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]',
+        ),
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+    ],
+)
 def test_streamed_tool_calls_assemble_to_the_whole_answer(choice, text):
     tools = ToolRequest(TOOLS, choice)
     whole = ToolCallStream(tools).message(text)
     for size in (1, 3, 7):
         stream = ToolCallStream(tools)
-        deltas = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)] + stream.finish()
+        deltas = [
+            stream.feed(text[i : i + size]) for i in range(0, len(text), size)
+        ] + stream.finish()
         content, calls = assembled([d for d in deltas if d])
         assert content.strip() == (whole["content"] or "")
         assert [(c["name"], c["arguments"]) for c in calls] == [
-            (c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])
+        ]
         assert all(c["id"] for c in calls) and stream.finish_reason("stop") == (
-            "tool_calls" if calls else "stop")
+            "tool_calls" if calls else "stop"
+        )
         if calls:  # the first delta of each call carries its id, type and name
             heads = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
             assert [h["type"] for h in heads] == ["function"] * len(calls)
-        if choice == "auto" and "<tool_call>" in text:  # the text before the call streamed as it came
+        if (
+            choice == "auto" and "<tool_call>" in text
+        ):  # the text before the call streamed as it came
             assert deltas[len("I will look.") // size - 1].get("content")
 
 
@@ -3892,20 +5082,48 @@ def test_bad_structured_requests_get_400_and_reach_no_engine(server, monkeypatch
     cases = [  # (body, words the message must hold)
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
-        ({"response_format": schema({"type": "integer", "minimum": "x"})}, "response_format.json_schema.schema"),
+        (
+            {"response_format": schema({"type": "integer", "minimum": "x"})},
+            "response_format.json_schema.schema",
+        ),
         ({"response_format": schema({"type": "string", "pattern": "(("})}, "regex"),
         ({"response_format": schema({"anyOf": []})}, "Unsatisfiable"),
         ({"tools": [bad_tool], "tool_choice": "required"}, "tools[0].function.name"),
         ({"tools": [WEATHER, WEATHER]}, "twice"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
-         "tools[0].function.parameters"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "get_stock"),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_stock"}},
+            },
+            "get_stock",
+        ),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
         ({"tool_choice": "required"}, "needs `tools`"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "one"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "one",
+        ),
         ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
-         "tool_calls[0]"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}],
+                    }
+                ]
+            },
+            "tool_calls[0]",
+        ),
     ]
     for extra, words in cases:
         status, _, err = call(server, "POST", CHAT, {"messages": HELLO, "max_tokens": 4, **extra})
@@ -3915,7 +5133,11 @@ def test_bad_structured_requests_get_400_and_reach_no_engine(server, monkeypatch
     monkeypatch.undo()  # the tiny model's own template shows no tools: the model cannot decide to call one
     got = capture_params(server, monkeypatch)
     status, _, err = call(server, "POST", CHAT, {"messages": HELLO, "tools": TOOLS})
-    assert status == 400 and "template" in err["error"]["message"] and "tool_choice" in err["error"]["message"]
+    assert (
+        status == 400
+        and "template" in err["error"]["message"]
+        and "tool_choice" in err["error"]["message"]
+    )
     assert got == [] and all_free(server)
     with pytest.raises(ValueError, match="json_schema"):
         server.engine.check_prompt([1], SamplingParams(json_schema={"type": 1}))
@@ -3929,21 +5151,33 @@ def demo_twin(demo, **options) -> LLM:
 
 
 def schema_prompt(schema: dict) -> list[dict]:
-    return [{"role": "user", "content": f"Reply in JSON with {', '.join(schema.get('properties', ['numbers']))}."}]
+    return [
+        {
+            "role": "user",
+            "content": f"Reply in JSON with {', '.join(schema.get('properties', ['numbers']))}.",
+        }
+    ]
 
 
-@pytest.mark.timeout(600)  # ~45 steps at batch 7 of the demo model: 60 s alone, 250 s on a busy 2-core machine
+@pytest.mark.timeout(
+    600
+)  # ~45 steps at batch 7 of the demo model: 60 s alone, 250 s on a busy 2-core machine
 def test_json_schemas_validate_on_the_demo_model(demo):
     """Greedy and sampled, each with its own matcher in one batch; the unconstrained row is left alone."""
-    params = [SamplingParams(temperature=t, seed=i, max_tokens=100, json_schema=s)
-              for i, s in enumerate(SCHEMAS) for t in (0, 1.2)[:1 + (i < 2)]]
+    params = [
+        SamplingParams(temperature=t, seed=i, max_tokens=100, json_schema=s)
+        for i, s in enumerate(SCHEMAS)
+        for t in (0, 1.2)[: 1 + (i < 2)]
+    ]
     free = SamplingParams(temperature=0, max_tokens=12)
     outs = demo.chat([schema_prompt(p.json_schema) for p in params] + [ASK], params + [free])
     for out, p in zip(outs, params):
         assert out.finish_reason == "stop", out.text  # EOS only once the grammar accepts
         jsonschema.validate(json.loads(out.text), p.json_schema)
     alone = demo.chat([ASK], free)[0]
-    assert outs[-1].token_ids == alone.token_ids and "\n" in alone.text  # pretty-printed: no grammar's
+    assert (
+        outs[-1].token_ids == alone.token_ids and "\n" in alone.text
+    )  # pretty-printed: no grammar's
 
 
 @pytest.fixture(scope="module")
@@ -3958,8 +5192,12 @@ def test_constrained_decoding_under_preemption(demo, constrained_baseline, resum
     """Preempted every few steps, mid-prompt and mid-output, and resumed by recompute or by load: the
     same greedy tokens, all valid. A recompute that re-fed its matcher would leave it in error or elsewhere."""
     prompts, params, expected = constrained_baseline
-    llm = demo_twin(demo, num_kv_blocks=64, host_kv_gb=0.05, max_num_batched_tokens=32, policy=Forced(3, resume))
-    tokens, points = run_checked(llm, [llm.tokenizer.apply_chat_template(p) for p in prompts], params)
+    llm = demo_twin(
+        demo, num_kv_blocks=64, host_kv_gb=0.05, max_num_batched_tokens=32, policy=Forced(3, resume)
+    )
+    tokens, points = run_checked(
+        llm, [llm.tokenizer.apply_chat_template(p) for p in prompts], params
+    )
     assert llm.stats()[f"resumes_{resume}"] >= len(prompts) and points
     assert tokens == expected
     for t, p in zip(tokens, params):
@@ -3986,16 +5224,27 @@ def test_openai_sdk_parse_returns_the_pydantic_object(demo_server):
 
     client = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="none")
     done = client.beta.chat.completions.parse(
-        model="demo", messages=[{"role": "user", "content": "Describe Paris as JSON."}], response_format=City,
-        temperature=0, max_tokens=150)
+        model="demo",
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=150,
+    )
     city = done.choices[0].message.parsed
     assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(done.choices[0].message.content), City.model_json_schema())
 
 
 def test_json_schema_and_json_object_streamed_and_whole(demo_server):
-    body = {"messages": schema_prompt(SCHEMAS[1]), "max_tokens": 100, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMAS[1]}}}
+    body = {
+        "messages": schema_prompt(SCHEMAS[1]),
+        "max_tokens": 100,
+        "temperature": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "order", "schema": SCHEMAS[1]},
+        },
+    }
     whole = call(demo_server, "POST", CHAT, body)[2]["choices"][0]
     _, resp = open_stream(demo_server, CHAT, body)
     chunks = [c for _, c in sse(resp)][:-1]
@@ -4003,19 +5252,44 @@ def test_json_schema_and_json_object_streamed_and_whole(demo_server):
     assert sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 5  # token by token
     assert streamed == whole["message"]["content"] and whole["finish_reason"] == "stop"
     jsonschema.validate(json.loads(streamed), SCHEMAS[1])
-    body = {"messages": ASK, "max_tokens": 80, "temperature": 0.7, "seed": 3, "n": 2,
-            "response_format": {"type": "json_object"}}
+    body = {
+        "messages": ASK,
+        "max_tokens": 80,
+        "temperature": 0.7,
+        "seed": 3,
+        "n": 2,
+        "response_format": {"type": "json_object"},
+    }
     for choice in call(demo_server, "POST", CHAT, body)[2]["choices"]:
         assert isinstance(json.loads(choice["message"]["content"]), dict), choice
-    completion = call(demo_server, "POST", "/v1/completions", {
-        "prompt": "A list of three numbers:", "max_tokens": 60, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS[2]}}})[2]
+    completion = call(
+        demo_server,
+        "POST",
+        "/v1/completions",
+        {
+            "prompt": "A list of three numbers:",
+            "max_tokens": 60,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": SCHEMAS[2]},
+            },
+        },
+    )[2]
     jsonschema.validate(json.loads(completion["choices"][0]["text"]), SCHEMAS[2])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
 def test_forced_tool_calls_are_valid_and_stream_the_same(demo_server, tool_choice):
-    body = {"messages": ASK, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 100, "temperature": 0}
+    body = {
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": 100,
+        "temperature": 0,
+    }
     whole = call(demo_server, "POST", CHAT, body)[2]["choices"][0]
     calls = whole["message"]["tool_calls"]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None and calls
@@ -4028,7 +5302,8 @@ def test_forced_tool_calls_are_valid_and_stream_the_same(demo_server, tool_choic
     content, streamed = assembled([c["choices"][0]["delta"] for c in chunks])
     assert content == "" and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in streamed] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
 
 
 def test_a_tool_loop_continues(demo_server, monkeypatch):
@@ -4037,10 +5312,29 @@ def test_a_tool_loop_continues(demo_server, monkeypatch):
     got = capture_params(demo_server, monkeypatch)
     call_id = "call_abc123"
     loop = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": call_id, "content": "18 degrees and sunny"}]
-    body = {"messages": loop, "tools": TOOLS, "tool_choice": "none", "max_tokens": 12, "temperature": 0}
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "18 degrees and sunny"},
+    ]
+    body = {
+        "messages": loop,
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     status, _, answer = call(demo_server, "POST", CHAT, body)
     assert status == 200 and answer["choices"][0]["message"]["content"]
     prompt = demo_server.engine.tokenizer.decode(got[-1][0])
@@ -4048,11 +5342,19 @@ def test_a_tool_loop_continues(demo_server, monkeypatch):
     assert "18 degrees and sunny" in prompt and "You may call" not in prompt
     monkeypatch.setattr(demo_server.engine.tokenizer, "chat_template", TOOL_TEMPLATE)
     status, _, answer = call(demo_server, "POST", CHAT, {**body, "tool_choice": "auto"})
-    assert status == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    assert status == 200 and answer["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+        "tool_calls",
+    )
     prompt = demo_server.engine.tokenizer.decode(got[-1][0])
-    assert "You may call these tools" in prompt and '"name": "get_time"' in prompt  # the tools, as HF passes them
+    assert (
+        "You may call these tools" in prompt and '"name": "get_time"' in prompt
+    )  # the tools, as HF passes them
     assert '"arguments": {"city": "Paris"' in prompt and f"[{call_id}]" in prompt
     assert got[-1][1].json_schema is None  # "auto": the model decides, unconstrained
+
+
 # ------------------------------------------------ issue 25: tests that catch policy mistakes and the newest paths
 # Small scenes whose expected decisions are derived by hand in a comment; the newest paths (host-tier
 # prefix loads, demotion, `n`, logprobs, keep-alive) beyond their happy path. tools/mutate.py plants
@@ -4063,14 +5365,18 @@ import queue  # noqa: E402
 from nanoflow.kv import build_metadata  # noqa: E402
 
 
-def fcfs_admission(queue: list[tuple[int, int]], running: list[tuple[int, int]] = (), max_num_seqs: int = 256):
+def fcfs_admission(
+    queue: list[tuple[int, int]], running: list[tuple[int, int]] = (), max_num_seqs: int = 256
+):
     """FCFS's admission on a 10-block pool (160 slots of 16) at its first ratio, 0.7: running and
     queued requests given as (prompt_len, max_tokens); returns the queued ones that started."""
     engine = sim_engine(toy_cost(num_kv_blocks=10, max_num_seqs=max_num_seqs), "fcfs")
     s = engine.scheduler
     for prompt_len, max_tokens in running:
         running_request(engine, prompt_len, max_tokens)
-    queued = [engine.add_request([1] * p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in queue]
+    queued = [
+        engine.add_request([1] * p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in queue
+    ]
     s.policy.admit(s, {}, 10**6, engine.clock())
     return [queued.index(r) for r in s.running if r in queued]
 
@@ -4157,8 +5463,10 @@ class LoadWhenFaster(FCFS):
         return s.load_beats_recompute(req.num_host_tokens)
 
 
-@pytest.mark.parametrize("prefill_rate,backlog,by_load", [(500.0, 0.0, True), (1000.0, 0.0, True),
-                                                          (2000.0, 0.0, False), (1000.0, 0.001, False)])
+@pytest.mark.parametrize(
+    "prefill_rate,backlog,by_load",
+    [(500.0, 0.0, True), (1000.0, 0.0, True), (2000.0, 0.0, False), (1000.0, 0.001, False)],
+)
 def test_load_or_recompute_by_hand(prefill_rate, backlog, by_load):
     """A paused request with 64 tokens (4 blocks of 16 KB) on host: loading takes 4 x 0.016 s =
     0.064 s behind the queued loads; recomputing 64 / prefill_rate s. A tie loads."""
@@ -4185,7 +5493,7 @@ def prompt_kv(llm: LLM, prompt: list[int]) -> torch.Tensor:
     eng.model(torch.tensor(prompt), positions, eng.kv_caches, meta, torch.tensor([len(prompt) - 1]))
     kv = eng.kv.kv_cache[table].clone()  # [blocks, layers, K/V, block_size, heads, dim]
     eng.kv.free(table)
-    return kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :len(prompt)]
+    return kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]
 
 
 def test_a_prefix_found_on_the_device_then_on_host_lands_in_the_right_blocks(ckpt):
@@ -4218,7 +5526,7 @@ def test_a_prefix_found_on_the_device_then_on_host_lands_in_the_right_blocks(ckp
     assert req.block_table[:2] == shared and torch.equal(kv.kv_cache[shared], shared_kv)
     ref = LLM(ckpt, device="cpu", num_kv_blocks=16, enable_prefix_caching=False)
     expected = prompt_kv(ref, second)
-    got = kv.kv_cache[req.block_table].permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :len(second)]
+    got = kv.kv_cache[req.block_table].permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(second)]
     for block in range(len(second) // 16 + 1):
         span = slice(16 * block, min(16 * (block + 1), len(second)))
         assert torch.allclose(got[:, :, span], expected[:, :, span], atol=1e-4), block
@@ -4253,14 +5561,20 @@ def test_n_choices_report_each_their_own_finish_reason(server):
     whole answer gives each choice its own reason, and so does the stream."""
     body = dict(prompt="once upon a time", max_tokens=8, seed=5, ignore_eos=True, n=2)
     texts = [c["text"] for c in call(server, "POST", "/v1/completions", body)[2]["choices"]]
-    stop = next(texts[0][k:k + 2] for k in range(len(texts[0]) - 1)
-                if texts[0][k:k + 2].strip() and texts[0][k:k + 2] not in texts[1])
+    stop = next(
+        texts[0][k : k + 2]
+        for k in range(len(texts[0]) - 1)
+        if texts[0][k : k + 2].strip() and texts[0][k : k + 2] not in texts[1]
+    )
     whole = call(server, "POST", "/v1/completions", {**body, "stop": [stop]})[2]
     assert [c["finish_reason"] for c in whole["choices"]] == ["stop", "length"]
-    assert [c["text"] for c in whole["choices"]] == [texts[0][:texts[0].index(stop)], texts[1]]
+    assert [c["text"] for c in whole["choices"]] == [texts[0][: texts[0].index(stop)], texts[1]]
     _, resp = open_stream(server, "/v1/completions", {**body, "stop": [stop]})
-    reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for _, c in sse(resp)
-               if c != "[DONE]" and c["choices"][0]["finish_reason"]}
+    reasons = {
+        c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+        for _, c in sse(resp)
+        if c != "[DONE]" and c["choices"][0]["finish_reason"]
+    }
     assert reasons == {0: "stop", 1: "length"}
 
 
@@ -4270,8 +5584,12 @@ def test_requests_asking_for_different_numbers_of_logprobs_in_one_step(ckpt):
     llm = LLM(ckpt, device="cpu", num_kv_blocks=32)
     prompt = random_prompts(1, TINY["vocab_size"], seed=42, lengths=(10, 10))[0]
     engine = llm.engine
-    reqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=k))
-            for k in (1, 4, None)]
+    reqs = [
+        engine.add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=k)
+        )
+        for k in (1, 4, None)
+    ]
     steps = 0
     while engine.has_unfinished():
         assert len(engine.step()) == 3  # all three in every step
@@ -4288,9 +5606,14 @@ def test_keepalive_comments_are_spaced_by_the_interval_on_a_fake_clock(monkeypat
     """A stream's delta queue polled every 1/8 s of a fake clock: with KEEPALIVE_S = 5 a comment goes
     out once 5 s passed in silence (at 5.125 s), then 5.125 s after the last comment or delta."""
     now = [0.0]
-    monkeypatch.setattr(serve, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    monkeypatch.setattr(
+        serve, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time)
+    )
     monkeypatch.setattr(serve, "KEEPALIVE_S", 5.0)
-    script = {11.0: serve.ChoiceDelta(0, "a"), 20.0: serve.ChoiceDelta(0, "b", finish_reason="length")}
+    script = {
+        11.0: serve.ChoiceDelta(0, "a"),
+        20.0: serve.ChoiceDelta(0, "b", finish_reason="length"),
+    }
 
     class Deltas:
         def get(self, timeout):
@@ -4327,17 +5650,28 @@ def test_qoe_counts_from_arrival_and_a_late_reader_by_hand():
     assert qoe(late.arrival, late.token_times, 4.0) == pytest.approx(1 - 2.6 / 7.25)
     assert qoe(early.arrival, early.token_times, 4.0) == pytest.approx(1 - 0.95 / 5.25)
     assert qoe(steady.arrival, steady.token_times, 4.0) == 1.0
-    assert qoe(10.0, [12.0, 12.0, 13.0], 4.0, ttft_target=2.0) == pytest.approx(1 - 0.5 / 7.25)  # ideal 12, 12.25, 12.5
+    assert qoe(10.0, [12.0, 12.0, 13.0], 4.0, ttft_target=2.0) == pytest.approx(
+        1 - 0.5 / 7.25
+    )  # ideal 12, 12.25, 12.5
     assert effective_weights(early.token_times, 4.0) == [1.0, 1.0, 0.0, 1.0]
     s = summarize([late, early, steady], makespan=5.0)
     # ttfts 2, 0.5, 0.5; tbts 0, 1 | 0, 0, 2.5 | 0.25, 0.25: sorted, p99 at 0.99 x 6 = 5.94 of 7 values
     assert s == {
-        "ttft_mean": pytest.approx(1.0), "ttft_p50": pytest.approx(0.5), "ttft_p99": pytest.approx(0.5 + 0.98 * 1.5),
-        "tbt_p99": pytest.approx(1.0 + 0.94 * 1.5), "rebuffer_mean": pytest.approx((0.5 + 1.75) / 3),
+        "ttft_mean": pytest.approx(1.0),
+        "ttft_p50": pytest.approx(0.5),
+        "ttft_p99": pytest.approx(0.5 + 0.98 * 1.5),
+        "tbt_p99": pytest.approx(1.0 + 0.94 * 1.5),
+        "rebuffer_mean": pytest.approx((0.5 + 1.75) / 3),
         "rebuffer_p99": pytest.approx(0.5 + 0.98 * 1.25),
-        "qoe_mean": pytest.approx((1 - 2.6 / 7.25 + 1 - 0.95 / 5.25 + 1) / 3), "qoe_good_share": pytest.approx(1 / 3),
-        "effective_throughput": pytest.approx(9 / 5.0), "throughput": pytest.approx(10 / 5.0),
-        "makespan": 5.0, "requests": 3, "completed": 3, "ttft_slo_share": 1.0}  # 2 s is within the 2 s SLO
+        "qoe_mean": pytest.approx((1 - 2.6 / 7.25 + 1 - 0.95 / 5.25 + 1) / 3),
+        "qoe_good_share": pytest.approx(1 / 3),
+        "effective_throughput": pytest.approx(9 / 5.0),
+        "throughput": pytest.approx(10 / 5.0),
+        "makespan": 5.0,
+        "requests": 3,
+        "completed": 3,
+        "ttft_slo_share": 1.0,
+    }  # 2 s is within the 2 s SLO
 
 
 def test_a_host_copy_that_becomes_the_only_copy_moves_behind_older_host_blocks():
@@ -4349,8 +5683,13 @@ def test_a_host_copy_that_becomes_the_only_copy_moves_behind_older_host_blocks()
     device, host = KVPool(2, *shape), KVPool(4, *shape, host=True)
     swapper = Swapper(device, host)
     for hashes in ([9, 10], [1, 2], [5, 6]):
-        req = types.SimpleNamespace(block_table=[], host_block_table=[], block_hashes=hashes,
-                                    num_host_tokens=0, num_computed_tokens=8)
+        req = types.SimpleNamespace(
+            block_table=[],
+            host_block_table=[],
+            block_hashes=hashes,
+            num_host_tokens=0,
+            num_computed_tokens=8,
+        )
         assert device.grow(req.block_table, 8)  # blocks of 4 tokens
         swapper.demote()
         device.cache_blocks(req.block_table, hashes)
@@ -4365,9 +5704,18 @@ def test_a_host_copy_that_becomes_the_only_copy_moves_behind_older_host_blocks()
 def test_recompute_after_preemption_without_prefix_caching(ckpt):
     """Without prefix caching nothing else resets a recomputed request's progress: preemption must."""
     prompts = random_prompts(4, TINY["vocab_size"], seed=43, lengths=(20, 50))
-    expected = [o.token_ids for o in LLM(ckpt, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)]
-    llm = LLM(ckpt, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, host_kv_gb=0.01,
-              policy=Forced(3, "recompute"), enable_prefix_caching=False)
+    expected = [
+        o.token_ids for o in LLM(ckpt, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)
+    ]
+    llm = LLM(
+        ckpt,
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        host_kv_gb=0.01,
+        policy=Forced(3, "recompute"),
+        enable_prefix_caching=False,
+    )
     tokens, points = run_checked(llm, prompts, GREEDY)
     assert tokens == expected and points and llm.stats()["resumes_recompute"] >= len(points)
 
@@ -4402,7 +5750,11 @@ def test_a_stop_string_before_min_tokens_does_not_stop(ckpt):
     prompt = clean_text_prompt(llm)
     greedy = llm.generate([prompt], GREEDY)[0]
     early, text = llm.tokenizer.decode(greedy.token_ids[:8]), greedy.text
-    stop = next(text[k:k + 2] for k in range(len(early) - 1) if text[k:k + 2].strip() and text.count(text[k:k + 2]) == 1)
+    stop = next(
+        text[k : k + 2]
+        for k in range(len(early) - 1)
+        if text[k : k + 2].strip() and text.count(text[k : k + 2]) == 1
+    )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop])
     assert llm.generate([prompt], params)[0].finish_reason == "stop"
     late = llm.generate([prompt], SamplingParams(**{**vars(params), "min_tokens": 16}))[0]
@@ -4467,7 +5819,9 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
     for req, buffer in zip(reqs, (6.0, 12.0, 9.0)):
         req.append(0, 0.0)
         req.dry_at = buffer
-    newcomer = engine.add_request([1] * 100, SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0))
+    newcomer = engine.add_request(
+        [1] * 100, SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0)
+    )
     policy.keep, policy.joining = set(), [newcomer]
     urgency = {r: policy.urgency(s, r, 0.0) for r in [*reqs, newcomer]}
     assert policy.victims(s, 0.0, urgency) == [reqs[1]]
@@ -4482,7 +5836,10 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     10 tokens of output are too few to outweigh a stall: see the next test.)"""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
-    fast, slow = running_request(engine, 16, 100, rate=10.0), running_request(engine, 16, 100, rate=2.0)
+    fast, slow = (
+        running_request(engine, 16, 100, rate=10.0),
+        running_request(engine, 16, 100, rate=2.0),
+    )
     for req, slack in ((fast, 0.05), (slow, 0.75)):
         req.append(0, 0.0)
         req.dry_at = slack
@@ -4492,8 +5849,12 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     assert policy.token_budget(s, 0.0) == 52
 
 
-@pytest.mark.parametrize("rate, max_tokens, budget", [(2.0, 30, 10**4), (2.0, 15, 26), (3.5, 2, 10**4)])
-def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(rate, max_tokens, budget):
+@pytest.mark.parametrize(
+    "rate, max_tokens, budget", [(2.0, 30, 10**4), (2.0, 15, 26), (3.5, 2, 10**4)]
+)
+def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
+    rate, max_tokens, budget
+):
     """One reader (2 tok/s, 20 tokens left) has 0.5 s of slack; steps take 0.25 s; a newcomer's 50
     prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 - 0.5 =
     0.25 s: 0.25 x 20 tokens late = 5 (stall_weight 1). Held back, the reader gains 0.5 - 0.25 s a
@@ -4515,7 +5876,9 @@ def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(rate,
 
 
 @pytest.mark.parametrize("overloaded", [True, False])
-def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_dry_by_hand(overloaded):
+def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_dry_by_hand(
+    overloaded,
+):
     """Past capacity (the started readers alone ask for more than the engine makes), a paused
     reader about to run dry says the estimates were kind, and newcomers stop joining the working
     set; but the oldest, once it has waited a whole interval (1.5 s) for its first token, still
@@ -4531,7 +5894,9 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     s, policy = engine.scheduler, engine.scheduler.policy
     params = SamplingParams(max_tokens=100, ignore_eos=True, read_rate=10.0)
     paused = engine.add_request([1] * 20, params, arrival_time=0.0)
-    old, second, new = (engine.add_request([1] * 20, params, arrival_time=t) for t in (0.1, 0.2, 1.9))
+    old, second, new = (
+        engine.add_request([1] * 20, params, arrival_time=t) for t in (0.1, 0.2, 1.9)
+    )
     engine.clock.advance_to(2.0)
     paused.append(0, 1.9)
     paused.status, paused.dry_at = RequestStatus.PREEMPTED, 2.05
@@ -4539,7 +5904,10 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     assert [urgency[r][0] for r in (paused, old, second, new)] == [0, 1, 1, 1]
     policy.overloaded = overloaded
     joined = [old] if overloaded else [old, second, new]
-    assert policy.working_set(s, [paused], policy.lifetime_size([paused]), 1000.0, urgency) == [paused, *joined]
+    assert policy.working_set(s, [paused], policy.lifetime_size([paused]), 1000.0, urgency) == [
+        paused,
+        *joined,
+    ]
 
 
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
@@ -4550,6 +5918,7 @@ def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
     a left-over of <= 0 (skipped) into 0.0001 s (fitted) and moved the capacity at 250 running by
     12%: readers asking 20,000 tokens/s flipped from past capacity (0.8 x 23,810 = 19,048) to
     within it. Only pure decode steps are fitted now: the same decision whatever that step took."""
+
     def capacity_after(mixed_step_s: float) -> float:
         rates = StepRates()
         rates.observe(0.1, 8000, 0)  # prompt tokens: 80,000/s
@@ -4602,8 +5971,10 @@ def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
 # (deterministic), both policies. Each row must pass the matrix's bar, and tokenflow must stay within
 # 10% of what it reached when this was recorded (2026-12-01): a policy change that makes a regime worse
 # fails here, in seconds, not only in the ten-minute matrix.
-GUARD_BASE = ("--simulate --uncharged --preset h200-llama3-8b --prompt-len 512 --output-len 1024 --seed 0 "
-              "--num-kv-blocks 3000")
+GUARD_BASE = (
+    "--simulate --uncharged --preset h200-llama3-8b --prompt-len 512 --output-len 1024 --seed 0 "
+    "--num-kv-blocks 3000"
+)
 GUARD_ROWS = [  # (row, arguments, recorded: tokenflow's TTFT p99 / fcfs's, QoE >= 0.95 share, TTFT-SLO share)
     ("burst", "--burst 100 --read-rate 20", (2.016 / 14.761, 1.0, 0.97)),
     ("past capacity", "--burst 100 --read-rate 40", (3.464 / 14.761, 0.59, 0.59)),
@@ -4613,7 +5984,7 @@ GUARD_ROWS = [  # (row, arguments, recorded: tokenflow's TTFT p99 / fcfs's, QoE 
 
 @pytest.mark.parametrize("row, extra, recorded", GUARD_ROWS, ids=[r[0] for r in GUARD_ROWS])
 def test_regime_guard(row, extra, recorded):
-    (_, fcfs, tokenflow, misses), = bench.run_matrix([(row, extra)], GUARD_BASE)
+    ((_, fcfs, tokenflow, misses),) = bench.run_matrix([(row, extra)], GUARD_BASE)
     assert misses == []
     ttft_ratio, qoe_share, slo_share = recorded
     assert tokenflow["ttft_p99"] / fcfs["ttft_p99"] <= 1.1 * ttft_ratio
@@ -4631,8 +6002,11 @@ from nanoflow.metrics import Metrics  # noqa: E402
 
 def parsed_metrics(text: str) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value, as Prometheus' own parser reads /metrics."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_fleet_metrics_carry_vllms_gauges_and_the_buffer_signal():
@@ -4647,7 +6021,9 @@ def test_fleet_metrics_carry_vllms_gauges_and_the_buffer_signal():
     s = engine.scheduler
     assert len(s.running) == 3 and len(s.waiting) == 3  # admission keeps room for the outputs
     used = sum(len(r.block_table) for r in s.running)
-    got = parsed_metrics(Metrics().render(engine.stats(buffer_signal=True), 0, model_name='my "model"'))
+    got = parsed_metrics(
+        Metrics().render(engine.stats(buffer_signal=True), 0, model_name='my "model"')
+    )
     label = (("model_name", 'my "model"'),)
     assert got[("vllm:num_requests_waiting", label)] == 3
     assert got[("vllm:num_requests_running", label)] == 3
@@ -4660,30 +6036,47 @@ def test_fleet_metrics_carry_vllms_gauges_and_the_buffer_signal():
     capacity = batch / s.rates.decode_time(batch)
     assert got[("nanoflow_capacity_tokens_per_second", ())] == pytest.approx(capacity)
     assert got[("nanoflow_past_capacity", ())] == (sum(rates) > capacity)
-    now = engine.clock()  # a reader with less than TokenFlow's interval (1.5 s) of buffer runs dry soon
+    now = (
+        engine.clock()
+    )  # a reader with less than TokenFlow's interval (1.5 s) of buffer runs dry soon
     assert got[("nanoflow_readers_dry_soon", ())] == sum(r.dry_at < now + 1.5 for r in started) > 0
-    assert "nanoflow_capacity_tokens_per_second" not in Metrics().render(engine.stats(), 0)  # asked only
+    assert "nanoflow_capacity_tokens_per_second" not in Metrics().render(
+        engine.stats(), 0
+    )  # asked only
 
 
 def test_fleet_server_metrics_turn_the_buffer_signal_on_at_the_first_scrape(server):
     first = call(server, "GET", "/metrics")[2]
     assert 'vllm:num_requests_running{model_name="tiny"} 0' in first
-    wait_for(lambda: "nanoflow_reader_demand_tokens_per_second 0" in call(server, "GET", "/metrics")[2], 10)
+    wait_for(
+        lambda: "nanoflow_reader_demand_tokens_per_second 0" in call(server, "GET", "/metrics")[2],
+        10,
+    )
 
 
 def fleet_workload(*flags: str):
-    return bench.build_workload(bench.parse_args(["--read-rate", "10:0.5,30:0.5", "--seed", "3", *flags]))
+    return bench.build_workload(
+        bench.parse_args(["--read-rate", "10:0.5,30:0.5", "--seed", "3", *flags])
+    )
 
 
 @pytest.mark.parametrize("router", list(fleet.ROUTERS))
 def test_fleet_of_one_is_the_single_engine(router):
-    w = fleet_workload("--poisson", "20", "--duration", "2", "--prompt-len", "200:50", "--output-len", "40:10")
+    w = fleet_workload(
+        "--poisson", "20", "--duration", "2", "--prompt-len", "200:50", "--output-len", "40:10"
+    )
     alone = bench.drive(sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64), w, "alone")
-    reqs, where, start = fleet.simulate([sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64)], w,
-                                        fleet.make_router(router), scrape_interval=0.3)
+    reqs, where, start = fleet.simulate(
+        [sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64)],
+        w,
+        fleet.make_router(router),
+        scrape_interval=0.3,
+    )
     assert where == [0] * len(w) and start == 0.0 and len(w) > 20
     assert [r.token_times for r in reqs] == [r.token_times for r in alone.records]
-    assert sum(r.num_preemptions for r in reqs) == sum(r.num_preemptions for r in alone.requests) > 0
+    assert (
+        sum(r.num_preemptions for r in reqs) == sum(r.num_preemptions for r in alone.requests) > 0
+    )
 
 
 class Watching(fleet.LeastQueue):
@@ -4696,7 +6089,9 @@ class Watching(fleet.LeastQueue):
     def pick(self, views):
         k = super().pick(views)
         now = next(self.arrivals)
-        for e in self.engines:  # a busy replica is at the arrival or within a step past it; idle ones wait
+        for e in (
+            self.engines
+        ):  # a busy replica is at the arrival or within a step past it; idle ones wait
             assert (now <= e.clock() < now + 0.1) if e.has_unfinished() else e.clock() <= now + 0.1
         queues = [v.scrape["waiting"] + v.sent for v in views]
         self.picks.append((queues, k, [v.scrape for v in views]))
@@ -4709,13 +6104,17 @@ def test_fleet_routers_spread_and_least_queue_follows_the_last_scrape():
     _, where, _ = fleet.simulate(engines, w, fleet.make_router("round-robin"))
     assert Counter(where) == {0: 3, 1: 3, 2: 3}  # a burst evenly
 
-    w = fleet_workload("--poisson", "40", "--duration", "4", "--prompt-len", "2000:500", "--output-len", "64")
+    w = fleet_workload(
+        "--poisson", "40", "--duration", "4", "--prompt-len", "2000:500", "--output-len", "64"
+    )
     engines = [sim_engine("h200-llama3-8b", "fcfs", num_kv_blocks=400) for _ in range(3)]
     router = Watching(engines, w)
     reqs, where, _ = fleet.simulate(engines, w, router, scrape_interval=0.5)
     assert all(r.is_finished for r in reqs) and len(set(where)) == 3
     for queues, k, _ in router.picks:
-        assert queues[k] == min(queues)  # never a longer queue than another's, as of the last scrape
+        assert queues[k] == min(
+            queues
+        )  # never a longer queue than another's, as of the last scrape
     scrapes = [id(scrape) for _, _, views in router.picks for scrape in views[:1]]
     assert 1 < len(set(scrapes)) <= 4 * 2 + 2  # stale in between: one scrape per 0.5 s of arrivals
     assert max(max(queues) for queues, _, _ in router.picks) > 0  # queues did form
@@ -4723,8 +6122,15 @@ def test_fleet_routers_spread_and_least_queue_follows_the_last_scrape():
 
 def test_fleet_buffer_router_prefers_headroom():
     def view(capacity, demand, waiting):
-        return fleet.View({"capacity_tokens_per_second": capacity, "reader_demand_tokens_per_second": demand,
-                           "waiting": waiting, "device_blocks_free": 1, "device_blocks_total": 2})
+        return fleet.View(
+            {
+                "capacity_tokens_per_second": capacity,
+                "reader_demand_tokens_per_second": demand,
+                "waiting": waiting,
+                "device_blocks_free": 1,
+                "device_blocks_total": 2,
+            }
+        )
 
     router = fleet.make_router("buffer")
     # past capacity loses to a longer queue within it; equal queues: the most headroom
@@ -4740,10 +6146,30 @@ def test_fleet_buffer_router_prefers_headroom():
 
 def test_fleet_bench_table(tmp_path, capsys):
     path = tmp_path / "fleet.json"
-    bench.main(["--simulate", "--preset", "cpu-smollm2", *BENCH_WORKLOAD, "--read-rate", "15", "--replicas", "2",
-                "--router", "round-robin,buffer", "--policies", "fcfs", "--uncharged", "--json", str(path)])
+    bench.main(
+        [
+            "--simulate",
+            "--preset",
+            "cpu-smollm2",
+            *BENCH_WORKLOAD,
+            "--read-rate",
+            "15",
+            "--replicas",
+            "2",
+            "--router",
+            "round-robin,buffer",
+            "--policies",
+            "fcfs",
+            "--uncharged",
+            "--json",
+            str(path),
+        ]
+    )
     policies = json.loads(path.read_text())["policies"]
-    assert list(policies) == ["round-robin/fcfs", "buffer/fcfs"] and "round-robin/fcfs" in capsys.readouterr().out
+    assert (
+        list(policies) == ["round-robin/fcfs", "buffer/fcfs"]
+        and "round-robin/fcfs" in capsys.readouterr().out
+    )
     assert all(m["completed"] == 4 and 0 <= m["qoe_good_share"] <= 1 for m in policies.values())
     with pytest.raises(SystemExit):
         bench.parse_args(["--burst", "4", "--replicas", "2"])  # a fleet is simulated
@@ -4758,11 +6184,15 @@ def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
         return bench.Run(f"{router}/{label}", [], 0.0)
 
     monkeypatch.setattr(bench, "drive_fleet", fake)
-    monkeypatch.setattr(bench.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5}))
+    monkeypatch.setattr(
+        bench.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5})
+    )
     args = bench.parse_args(["--simulate", "--burst", "4", "--replicas", "2", "--find-replicas"])
     run = bench.find_replicas(None, None, "fcfs", "buffer", args)
     assert tried == [2, 4, 8, 6, 5] and run.name == "buffer/fcfs x5"
     assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out
+
+
 # ------------------------------------------------ issue 24: cheap decisions, robustness as a measured property
 
 
@@ -4774,18 +6204,29 @@ def test_the_schedulers_shortcuts_skip_only_what_has_nothing_to_do():
     scheduled request has room for its tokens, decodes first; and the bounds urgency uses instead of the
     switch estimate hold for every request."""
     rng = random.Random(7)
-    engine = sim_engine(toy_cost(num_kv_blocks=64, num_host_blocks=400), "tokenflow", enable_prefix_caching=True)
+    engine = sim_engine(
+        toy_cost(num_kv_blocks=64, num_host_blocks=400), "tokenflow", enable_prefix_caching=True
+    )
     s, policy, bs = engine.scheduler, engine.scheduler.policy, engine.scheduler.kv.block_size
     prefixes = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
-    arrivals = sorted((rng.uniform(0, 4), rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 40))],
-                       rng.randint(50, 200), rng.choice([10.0, 20.0, 40.0])) for _ in range(80))
+    arrivals = sorted(
+        (
+            rng.uniform(0, 4),
+            rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 40))],
+            rng.randint(50, 200),
+            rng.choice([10.0, 20.0, 40.0]),
+        )
+        for _ in range(80)
+    )
     real_write, real_schedule, checked = s.swapper.write_through, s.schedule, Counter()
 
     def unsynced(r):
         return s.kv.num_full(r.block_table, r.num_computed_tokens) > r.num_host_tokens // bs
 
     def write_through(reqs, max_blocks):
-        assert [r for r in reqs if unsynced(r)] == [r for r in sorted(s.running, key=lambda r: -r.dry_at) if unsynced(r)]
+        assert [r for r in reqs if unsynced(r)] == [
+            r for r in sorted(s.running, key=lambda r: -r.dry_at) if unsynced(r)
+        ]
         checked["written"] += any(map(unsynced, reqs))
         return real_write(reqs, max_blocks)
 
@@ -4800,7 +6241,11 @@ def test_the_schedulers_shortcuts_skip_only_what_has_nothing_to_do():
     while arrivals or engine.has_unfinished():
         while arrivals and arrivals[0][0] <= engine.clock():
             t, prompt, n, rate = arrivals.pop(0)
-            engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True, read_rate=rate), arrival_time=t)
+            engine.add_request(
+                prompt,
+                SamplingParams(max_tokens=n, ignore_eos=True, read_rate=rate),
+                arrival_time=t,
+            )
         if not engine.has_unfinished():
             engine.clock.advance_to(arrivals[0][0])
             continue
@@ -4812,13 +6257,20 @@ def test_the_schedulers_shortcuts_skip_only_what_has_nothing_to_do():
         step, interval, prefill = s.step_time(), policy.config.interval, s.rates.prefill_rate
         for r in (r for r in s.running + list(s.waiting) if r.started):
             lead = policy.lead(policy.switch_time(s, r))
-            assert policy.lead(interval + step) <= lead <= policy.lead(r.num_tokens / prefill + interval + step)
-    assert checked["steps"] > 500 and checked["written"] > 20 and s.counters["preemptions"] > 0, checked
+            assert (
+                policy.lead(interval + step)
+                <= lead
+                <= policy.lead(r.num_tokens / prefill + interval + step)
+            )
+    assert checked["steps"] > 500 and checked["written"] > 20 and s.counters["preemptions"] > 0, (
+        checked
+    )
 
 
 def test_step_time_jitter_is_seeded_and_bounded():
     """--jitter F: each simulated step takes its modelled time (20 ms here) times a factor in [1-F, 1+F], drawn
     from a generator seeded per run: the same seed repeats a run exactly, another seed does not."""
+
     def run(seed: int, jitter: float = 0.03):
         engine = sim_engine(toy_cost(), "tokenflow", jitter=jitter, seed=seed)
         factors, real_run = [], engine.run
@@ -4828,6 +6280,7 @@ def test_step_time_jitter_is_seeded_and_bounded():
             tokens = real_run(batch)
             factors.append((engine.clock() - before) / 0.02)
             return tokens
+
         engine.run = timed_run
         return [r.token_times for r in drive(engine, burst(10, 10.0))], factors
 
@@ -4840,23 +6293,37 @@ def test_step_time_jitter_is_seeded_and_bounded():
 def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch, capsys):
     """--matrix --repeat K: K runs of a row, charged, with jitter seeds 0..K-1; the row printed is the worst run
     (most misses, then the highest tokenflow TTFT p99) with the count of passing runs."""
-    monkeypatch.setattr(bench, "MATRIX_BASE", "--simulate --preset cpu-smollm2 --prompt-len 64:16 --output-len 64:16 "
-                        "--seed 3")
-    monkeypatch.setattr(bench, "MATRIX", [("tiny", "--burst 12 --read-rate 2"), ("skipped", "--burst 5")])
+    monkeypatch.setattr(
+        bench,
+        "MATRIX_BASE",
+        "--simulate --preset cpu-smollm2 --prompt-len 64:16 --output-len 64:16 --seed 3",
+    )
+    monkeypatch.setattr(
+        bench, "MATRIX", [("tiny", "--burst 12 --read-rate 2"), ("skipped", "--burst 5")]
+    )
     bases, results, real = [], [], bench.run_matrix
 
     def run_matrix(rows, base):
         bases.append(base)
         results.extend(real(rows, base))
         return results[-1:]
+
     monkeypatch.setattr(bench, "run_matrix", run_matrix)
     bench.main(["--matrix", "tiny", "--repeat", "3"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| tiny", "| skipped"))]
-    assert [b.split()[-4:] for b in bases] == [["--jitter", "0.03", "--jitter-seed", str(i)] for i in range(3)]
+    rows = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith(("| tiny", "| skipped"))
+    ]
+    assert [b.split()[-4:] for b in bases] == [
+        ["--jitter", "0.03", "--jitter-seed", str(i)] for i in range(3)
+    ]
     assert "--uncharged" not in bases[0] and len(results) == 3
     worst = max(results, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
     passes = sum(not r[3] for r in results)
-    assert rows == [bench.matrix_row(*worst, f"{passes}/3 pass")] and "/3 pass; worst run: " in rows[0]
+    assert (
+        rows == [bench.matrix_row(*worst, f"{passes}/3 pass")] and "/3 pass; worst run: " in rows[0]
+    )
 
 
 # ------------------------------------------------ issue 43: the Anthropic Messages and OpenAI Responses APIs
@@ -4864,17 +6331,22 @@ def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch,
 # checks shapes, order and counts (greedy, so that two requests make the same text); the demo model makes
 # the tool calls and JSON that a round trip needs.
 
-WEATHER_TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
-                "input_schema": WEATHER["function"]["parameters"]}
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": WEATHER["function"]["description"],
+    "input_schema": WEATHER["function"]["parameters"],
+}
 
 
 def anthropic_client(server):
     import anthropic  # in the test extra, as openai is
+
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
 
 
 def openai_client(server):
     import openai
+
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -4883,9 +6355,9 @@ def sse_events(resp) -> list[tuple[str, dict]]:
     events, name = [], None
     while line := resp.readline():
         if line.startswith(b"event: "):
-            name = line[len(b"event: "):].strip().decode()
+            name = line[len(b"event: ") :].strip().decode()
         elif line.startswith(b"data: "):
-            events.append((name, json.loads(line[len(b"data: "):])))
+            events.append((name, json.loads(line[len(b"data: ") :])))
     return events
 
 
@@ -4893,11 +6365,18 @@ def test_anthropic_messages_create_stream_and_count_tokens(server, monkeypatch):
     client = anthropic_client(server)
     got = capture_params(server, monkeypatch)
     # the SDK no longer sends sampling fields by name; the API takes them
-    args = dict(model="tiny", max_tokens=12, system="be brief", messages=HELLO,
-                extra_body={"read_rate": 20.0, "temperature": 0, "top_k": 5})
+    args = dict(
+        model="tiny",
+        max_tokens=12,
+        system="be brief",
+        messages=HELLO,
+        extra_body={"read_rate": 20.0, "temperature": 0, "top_k": 5},
+    )
     message = client.messages.create(**args)
     assert (got[-1][1].read_rate, got[-1][1].top_k, got[-1][1].max_tokens) == (20.0, 5, 12)
-    prompt = server.engine.tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, *HELLO])
+    prompt = server.engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, *HELLO]
+    )
     assert got[-1][0] == prompt
     count = client.messages.count_tokens(model="tiny", system="be brief", messages=HELLO)
     assert message.usage.input_tokens == count.input_tokens == len(prompt)
@@ -4910,10 +6389,20 @@ def test_anthropic_messages_create_stream_and_count_tokens(server, monkeypatch):
         final = stream.get_final_message()
     kinds = [e.type for e in events if e.type != "text"]
     deltas = [e.delta.text for e in events if e.type == "content_block_delta"]
-    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * len(deltas),
-                     "content_block_stop", "message_delta", "message_stop"]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * len(deltas),
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert "".join(deltas) == final.content[0].text == message.content[0].text
-    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == ("max_tokens", 12, len(prompt))
+    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == (
+        "max_tokens",
+        12,
+        len(prompt),
+    )
     # on the wire: each event's line names its data's type; a ping follows message_start
     _, resp = open_stream(server, "/v1/messages", {"max_tokens": 3, "messages": HELLO})
     wire = sse_events(resp)
@@ -4922,10 +6411,14 @@ def test_anthropic_messages_create_stream_and_count_tokens(server, monkeypatch):
 
     text = message.content[0].text
     # a stop sequence (printable, where the random model writes some) cuts the text before its first match
-    stop = next(text[i:i + 2] for i in range(1, len(text)) if text[i:i + 2].isascii() and text[i:i + 2].isprintable())
+    stop = next(
+        text[i : i + 2]
+        for i in range(1, len(text))
+        if text[i : i + 2].isascii() and text[i : i + 2].isprintable()
+    )
     cut = client.messages.create(**args, stop_sequences=[stop])
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
-    assert cut.content[0].text == text[:text.find(stop)]
+    assert cut.content[0].text == text[: text.find(stop)]
 
 
 def test_anthropic_thinking_blocks(thinking_server, monkeypatch):
@@ -4934,20 +6427,38 @@ def test_anthropic_thinking_blocks(thinking_server, monkeypatch):
     force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
     got = capture_params(thinking_server, monkeypatch)
     client = anthropic_client(thinking_server)
-    args = dict(model="tiny", max_tokens=50, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024})
+    args = dict(
+        model="tiny",
+        max_tokens=50,
+        messages=HELLO,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     message = client.messages.create(**args)
     assert [(b.type, getattr(b, "thinking", None) or b.text) for b in message.content] == [
-        ("thinking", "\nthe fox\n"), ("text", "\n\nhello world")]
+        ("thinking", "\nthe fox\n"),
+        ("text", "\n\nhello world"),
+    ]
     assert message.stop_reason == "end_turn"
     with client.messages.stream(**args) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
-        assert stream.get_final_message().model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
-    assert deltas == sorted(deltas, reverse=True) and {"thinking_delta", "text_delta"} == set(deltas)
+        assert stream.get_final_message().model_dump(exclude={"id"}) == message.model_dump(
+            exclude={"id"}
+        )
+    assert deltas == sorted(deltas, reverse=True) and {"thinking_delta", "text_delta"} == set(
+        deltas
+    )
     client.messages.create(**{**args, "thinking": {"type": "disabled"}})
-    assert thinking_server.engine.tokenizer.decode(got[-1][0]).endswith("assistant\n<think>\n\n</think>\n\n")
-    output = openai_client(thinking_server).responses.create(model="tiny", input="hi", reasoning={"effort": "low"})
+    assert thinking_server.engine.tokenizer.decode(got[-1][0]).endswith(
+        "assistant\n<think>\n\n</think>\n\n"
+    )
+    output = openai_client(thinking_server).responses.create(
+        model="tiny", input="hi", reasoning={"effort": "low"}
+    )
     assert [i.type for i in output.output] == ["reasoning", "message"]
-    assert (output.output[0].content[0].text, output.output_text) == ("\nthe fox\n", "\n\nhello world")
+    assert (output.output[0].content[0].text, output.output_text) == (
+        "\nthe fox\n",
+        "\n\nhello world",
+    )
 
 
 def test_anthropic_tool_round_trip(demo_server, monkeypatch):
@@ -4955,7 +6466,9 @@ def test_anthropic_tool_round_trip(demo_server, monkeypatch):
     got = capture_params(demo_server, monkeypatch)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     args = dict(model="demo", max_tokens=60, extra_body={"temperature": 0}, tools=[WEATHER_TOOL])
-    message = client.messages.create(**args, messages=ask, tool_choice={"type": "tool", "name": "get_weather"})
+    message = client.messages.create(
+        **args, messages=ask, tool_choice={"type": "tool", "name": "get_weather"}
+    )
     assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["tool_use"]
     call = message.content[0]
     assert call.name == "get_weather" and call.id
@@ -4966,10 +6479,21 @@ def test_anthropic_tool_round_trip(demo_server, monkeypatch):
     assert streamed.stop_reason == "tool_use" and streamed.content[0].name == "get_weather"
     assert set(deltas) == {"input_json_delta"}
     jsonschema.validate(streamed.content[0].input, WEATHER_TOOL["input_schema"])
-    result = {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18 degrees"}]}
-    loop = ask + [{"role": "assistant", "content": [call.model_dump(include={"type", "id", "name", "input"})]},
-                  {"role": "user", "content": [result]}]
-    answer = client.messages.create(**{**args, "max_tokens": 8}, messages=loop, tool_choice={"type": "none"})
+    result = {
+        "type": "tool_result",
+        "tool_use_id": call.id,
+        "content": [{"type": "text", "text": "18 degrees"}],
+    }
+    loop = ask + [
+        {
+            "role": "assistant",
+            "content": [call.model_dump(include={"type", "id", "name", "input"})],
+        },
+        {"role": "user", "content": [result]},
+    ]
+    answer = client.messages.create(
+        **{**args, "max_tokens": 8}, messages=loop, tool_choice={"type": "none"}
+    )
     assert answer.content[0].type == "text" and answer.content[0].text
     assert answer.stop_reason in ("end_turn", "max_tokens")
     prompt = demo_server.engine.tokenizer.decode(got[-1][0])
@@ -4979,25 +6503,45 @@ def test_anthropic_tool_round_trip(demo_server, monkeypatch):
 def test_responses_create_and_stream(server, monkeypatch):
     client = openai_client(server)
     got = capture_params(server, monkeypatch)
-    args = dict(model="tiny", input=HELLO, instructions="be brief", max_output_tokens=12, temperature=0,
-                extra_body={"read_rate": 20.0})
+    args = dict(
+        model="tiny",
+        input=HELLO,
+        instructions="be brief",
+        max_output_tokens=12,
+        temperature=0,
+        extra_body={"read_rate": 20.0},
+    )
     done = client.responses.create(**args)
-    prompt = server.engine.tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, *HELLO])
+    prompt = server.engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, *HELLO]
+    )
     assert got[-1][0] == prompt and got[-1][1].read_rate == 20.0
     assert done.id.startswith("resp_") and done.status == "incomplete"
     assert done.incomplete_details.reason == "max_output_tokens"
     assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (
-        len(prompt), 12, len(prompt) + 12)
+        len(prompt),
+        12,
+        len(prompt) + 12,
+    )
     assert [i.type for i in done.output] == ["message"] and done.output_text
     events = list(client.responses.create(**args, stream=True))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert [e.type for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        *["response.output_text.delta"] * len(deltas), "response.output_text.done", "response.content_part.done",
-        "response.output_item.done", "response.incomplete"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(deltas) == events[-4].text == events[-1].response.output_text == done.output_text
-    text = client.responses.create(model="tiny", input="hello world", max_output_tokens=12, temperature=0)
+    text = client.responses.create(
+        model="tiny", input="hello world", max_output_tokens=12, temperature=0
+    )
     assert text.output_text == done.output_text or text.usage.input_tokens < done.usage.input_tokens
 
 
@@ -5007,39 +6551,73 @@ def test_responses_function_call_round_trip_and_json_schema(demo_server, monkeyp
     tool = {"type": "function", **WEATHER["function"]}
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     args = dict(model="demo", temperature=0, max_output_tokens=60, tools=[tool])
-    done = client.responses.create(**args, input=ask, tool_choice={"type": "function", "name": "get_weather"})
+    done = client.responses.create(
+        **args, input=ask, tool_choice={"type": "function", "name": "get_weather"}
+    )
     call = done.output[0]
     assert [i.type for i in done.output] == ["function_call"] and done.status == "completed"
     assert call.name == "get_weather" and call.call_id and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), tool["parameters"])
     events = list(client.responses.create(**args, input=ask, tool_choice="required", stream=True))
-    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    streamed = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
     jsonschema.validate(json.loads(streamed), tool["parameters"])
-    assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == streamed
-    assert [e.type for e in events[2:4]] == ["response.output_item.added", "response.function_call_arguments.delta"]
-    loop = ask + [call.model_dump(include={"type", "call_id", "name", "arguments"}),
-                  {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"}]
-    answer = client.responses.create(**{**args, "max_output_tokens": 8}, input=loop, tool_choice="none")
+    assert (
+        events[-1].type == "response.completed"
+        and events[-1].response.output[0].arguments == streamed
+    )
+    assert [e.type for e in events[2:4]] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+    ]
+    loop = ask + [
+        call.model_dump(include={"type", "call_id", "name", "arguments"}),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"},
+    ]
+    answer = client.responses.create(
+        **{**args, "max_output_tokens": 8}, input=loop, tool_choice="none"
+    )
     assert answer.output_text
     prompt = demo_server.engine.tokenizer.decode(got[-1][0])
     assert '"name": "get_weather", "arguments": {"city": ' in prompt and "18 degrees" in prompt
     schema = {"type": "json_schema", "name": "order", "schema": SCHEMAS[1]}
-    order = client.responses.create(model="demo", input=schema_prompt(SCHEMAS[1]), temperature=0,
-                                    max_output_tokens=100, text={"format": schema})
+    order = client.responses.create(
+        model="demo",
+        input=schema_prompt(SCHEMAS[1]),
+        temperature=0,
+        max_output_tokens=100,
+        text={"format": schema},
+    )
     assert order.status == "completed" and order.text.format.type == "json_schema"
     jsonschema.validate(json.loads(order.output_text), SCHEMAS[1])
 
 
-@pytest.mark.parametrize("path,body,message", [
-    ("/v1/messages", {"messages": HELLO}, "max_tokens"),
-    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "role"),
-    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
-    ("/v1/messages/count_tokens", {"messages": "hi"}, "messages"),
-    ("/v1/messages", {"max_tokens": 5, "messages": HELLO, "tools": ["get_time"]}, "tools[0]"),
-    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ("/v1/responses", {"input": "hi", "store": True}, "store"),
-    ("/v1/responses", {"input": [{"type": "web_search_call"}]}, "web_search_call"),
-])
+@pytest.mark.parametrize(
+    "path,body,message",
+    [
+        ("/v1/messages", {"messages": HELLO}, "max_tokens"),
+        (
+            "/v1/messages",
+            {"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]},
+            "role",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "image",
+        ),
+        ("/v1/messages/count_tokens", {"messages": "hi"}, "messages"),
+        ("/v1/messages", {"max_tokens": 5, "messages": HELLO, "tools": ["get_time"]}, "tools[0]"),
+        (
+            "/v1/responses",
+            {"input": "hi", "previous_response_id": "resp_1"},
+            "previous_response_id",
+        ),
+        ("/v1/responses", {"input": "hi", "store": True}, "store"),
+        ("/v1/responses", {"input": [{"type": "web_search_call"}]}, "web_search_call"),
+    ],
+)
 def test_each_api_answers_bad_requests_in_its_own_error_shape(server, path, body, message):
     status, _, err = call(server, "POST", path, body)
     assert status == 400, err
@@ -5047,13 +6625,20 @@ def test_each_api_answers_bad_requests_in_its_own_error_shape(server, path, body
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert message in err["error"]["message"]
     else:
-        assert err["error"]["type"] == "invalid_request_error" and message in err["error"]["message"]
+        assert (
+            err["error"]["type"] == "invalid_request_error" and message in err["error"]["message"]
+        )
     assert call(server, "POST", path, {"max_tokens": 2, "input": "hi", "messages": HELLO})[0] == 200
     assert all_free(server)
 
 
-@pytest.mark.parametrize("path,body", [("/v1/messages", {"max_tokens": 400, "messages": HELLO}),
-                                       ("/v1/responses", {"max_output_tokens": 400, "input": HELLO})])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/messages", {"max_tokens": 400, "messages": HELLO}),
+        ("/v1/responses", {"max_output_tokens": 400, "input": HELLO}),
+    ],
+)
 def test_a_client_leaving_a_translated_stream_is_aborted(server, monkeypatch, path, body):
     slow_steps(server, monkeypatch, 0.02)
     aborted = scrape(server).get('nanoflow_requests_total{outcome="abort"}', 0)
@@ -5069,13 +6654,20 @@ def test_a_client_leaving_a_translated_stream_is_aborted(server, monkeypatch, pa
 def test_sdk_errors_and_x_api_key(server, monkeypatch):
     import anthropic
     import openai
+
     with pytest.raises(anthropic.BadRequestError, match="role"):
-        anthropic_client(server).messages.create(model="tiny", max_tokens=2, messages=[{"role": "tool", "content": "x"}])
+        anthropic_client(server).messages.create(
+            model="tiny", max_tokens=2, messages=[{"role": "tool", "content": "x"}]
+        )
     with pytest.raises(openai.BadRequestError, match="nanoflow stores no responses"):
         openai_client(server).responses.create(model="tiny", input="hi", background=True)
     monkeypatch.setattr(server, "api_key", "sesame")
-    keyed = anthropic.Anthropic(base_url=server.url, api_key="sesame", max_retries=0)  # sends x-api-key
-    assert keyed.messages.create(model="tiny", max_tokens=2, messages=HELLO).usage.output_tokens == 2
+    keyed = anthropic.Anthropic(
+        base_url=server.url, api_key="sesame", max_retries=0
+    )  # sends x-api-key
+    assert (
+        keyed.messages.create(model="tiny", max_tokens=2, messages=HELLO).usage.output_tokens == 2
+    )
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic_client(server).messages.create(model="tiny", max_tokens=2, messages=HELLO)
     assert e.value.body["error"]["type"] == "authentication_error"
@@ -5090,18 +6682,33 @@ def test_sdk_errors_and_x_api_key(server, monkeypatch):
 # are the engine's own. Each runs whole and streamed; the stream, assembled as the openai SDK
 # assembles it, must give the same answer.
 
-CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
-    "type": "object", "properties": {}, "additionalProperties": False}}}
-CITY = {"type": "function", "function": {"name": "weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
-    "additionalProperties": False}}}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 PARIS = '{"name": "weather", "arguments": {"city": "Paris"}}'
 NOON = '{"name": "clock", "arguments": {}}'
 W, C = f"<tool_call>{PARIS}</tool_call>", f"<tool_call>{NOON}</tool_call>"
 W_CALL, C_CALL = ("weather", '{"city": "Paris"}'), ("clock", "{}")
 # Qwen3's with thinking on: the template opens the block
-THINKING_TEMPLATE = QWEN3_TEMPLATE.replace("{% endif %}{% endif %}",
-                                           "{% else %}<think>\n{% endif %}{% endif %}")
+THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{% endif %}{% endif %}", "{% else %}<think>\n{% endif %}{% endif %}"
+)
 
 
 def script(engine, monkeypatch, text: str) -> list[int]:
@@ -5143,9 +6750,14 @@ def both_ways(server, body: dict, path: str = CHAT) -> list[dict]:
     calls = message.get("tool_calls") or []
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     assert len({c["id"] for c in calls}) == len(calls)
-    answers = [{"content": message["content"], "reasoning": message.get("reasoning_content"),
-                "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
-                "finish": choice["finish_reason"]}]
+    answers = [
+        {
+            "content": message["content"],
+            "reasoning": message.get("reasoning_content"),
+            "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+            "finish": choice["finish_reason"],
+        }
+    ]
     _, resp = open_stream(server, path, body)
     chunks = [c["choices"][0] for _, c in sse(resp) if c != "[DONE]"]
     deltas = [c.get("delta", {"content": c.get("text")}) for c in chunks]
@@ -5154,15 +6766,22 @@ def both_ways(server, body: dict, path: str = CHAT) -> list[dict]:
     assert all(c["id"] and c["name"] for c in streamed)
     finishes = [c["finish_reason"] for c in chunks if c["finish_reason"]]
     assert finishes == [chunks[-1]["finish_reason"]]
-    answers.append({"content": content or None, "reasoning": reasoning or None,
-                    "calls": [(c["name"], c["arguments"]) for c in streamed],
-                    "finish": chunks[-1]["finish_reason"]})
+    answers.append(
+        {
+            "content": content or None,
+            "reasoning": reasoning or None,
+            "calls": [(c["name"], c["arguments"]) for c in streamed],
+            "finish": chunks[-1]["finish_reason"],
+        }
+    )
     return answers
 
 
 # a template that shows tools, short enough to leave room for the answers in the tiny context
-NAMES_TEMPLATE = ("{% if tools %}Call {% for t in tools %}{{ t.function.name }} {% endfor %}as "
-                  "<tool_call>{...}</tool_call>\n{% endif %}" + CHAT_TEMPLATE)
+NAMES_TEMPLATE = (
+    "{% if tools %}Call {% for t in tools %}{{ t.function.name }} {% endfor %}as "
+    "<tool_call>{...}</tool_call>\n{% endif %}" + CHAT_TEMPLATE
+)
 
 
 @pytest.fixture
@@ -5175,56 +6794,178 @@ def tool_server(server, monkeypatch):
 NAMED = {"type": "function", "function": {"name": "weather"}}
 # (rule and source, body, script, max_tokens: the prefix it cuts at, content, calls, finish)
 TOOL_RULES = [
-    ("auto: text before, between and after the calls is content (tools.py, as written);"
-     " parallel_tool_calls defaults to true: both calls (OpenAI)",
-     {}, f"Let me see.{W} and {C} Done.", None, "Let me see. and  Done.", [W_CALL, C_CALL],
-     "tool_calls"),
-    ("auto, parallel_tool_calls false: the first call only (OpenAI; vLLM drops the others)",
-     {"parallel_tool_calls": False}, f"Let me see.{W} and {C} Done.", None,
-     "Let me see. and  Done.", [W_CALL], "tool_calls"),
-    ("auto, parallel_tool_calls true: content null beside calls (OpenAI)",
-     {"parallel_tool_calls": True}, f"{W}\n{C}", None, None, [W_CALL, C_CALL], "tool_calls"),
-    ("auto: no call, plain content, stop (OpenAI)", {}, "It is sunny.", None, "It is sunny.", [],
-     "stop"),
-    ("auto: max_tokens inside a call leaves text, finish length (OpenAI)",
-     {}, W, '<tool_call>{"name": "weather", "arguments": {"city": "',
-     '<tool_call>{"name": "weather", "arguments": {"city": "', [], "length"),
-    ("auto: max_tokens after a call's JSON, before its end tag: the call, but finish length"
-     " (OpenAI: length whenever max_tokens was reached)",
-     {}, C, f"<tool_call>{NOON}", None, [C_CALL], "length"),
-    ("auto: max_tokens inside a second call: no call is half made, all text (vLLM's parsers)",
-     {}, W + C, W + '<tool_call>{"name": "', W + '<tool_call>{"name": "', [], "length"),
-    ("auto: a stop string at the end tag ends a complete call: tool_calls (vLLM)",
-     {"stop": ["</tool_call>"]}, f"Sure.{W}", None, "Sure.", [W_CALL], "tool_calls"),
-    ("auto: a stop string inside the call: text, stop (OpenAI)", {"stop": ["Paris"]}, W, None,
-     '<tool_call>{"name": "weather", "arguments": {"city": "', [], "stop"),
-    ("required: several calls (parallel_tool_calls true by default)", {"tool_choice": "required"},
-     f"[{PARIS}, {NOON}]", None, None, [W_CALL, C_CALL], "tool_calls"),
-    ("required, parallel_tool_calls false: the grammar allows one call",
-     {"tool_choice": "required", "parallel_tool_calls": False}, f"[{PARIS}, {NOON}]", None, None,
-     [W_CALL], "tool_calls"),
-    ("required: at least one call, even from a model that wants none (OpenAI)",
-     {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False}, "[]", None, None,
-     [C_CALL], "tool_calls"),
-    ("required: the grammar completes a call that lacks its arguments",
-     {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False},
-     '[{"name": "clock"}]', None, None, [C_CALL], "tool_calls"),
-    ("required: max_tokens before the array closes: text, length",
-     {"tool_choice": "required"}, f"[{NOON}]", f"[{NOON}", f"[{NOON}", [], "length"),
-    ("named: that function's call, content null", {"tool_choice": NAMED}, '{"city": "Paris"}', None,
-     None, [W_CALL], "tool_calls"),
-    ("named: max_tokens cuts the arguments: finish length (OpenAI)", {"tool_choice": NAMED},
-     '{"city": "Paris"}', '{"city": "', None, [("weather", '{"city": "')], "length"),
-    ("named: a stop string cuts the arguments: finish stop, not tool_calls (OpenAI)",
-     {"tool_choice": NAMED, "stop": ["Paris"]}, '{"city": "Paris"}', None, None,
-     [("weather", '{"city": "')], "stop"),
-    ("none: the model's call text is content, no call (OpenAI)", {"tool_choice": "none"}, C, None,
-     C, [], "stop"),
+    (
+        "auto: text before, between and after the calls is content (tools.py, as written);"
+        " parallel_tool_calls defaults to true: both calls (OpenAI)",
+        {},
+        f"Let me see.{W} and {C} Done.",
+        None,
+        "Let me see. and  Done.",
+        [W_CALL, C_CALL],
+        "tool_calls",
+    ),
+    (
+        "auto, parallel_tool_calls false: the first call only (OpenAI; vLLM drops the others)",
+        {"parallel_tool_calls": False},
+        f"Let me see.{W} and {C} Done.",
+        None,
+        "Let me see. and  Done.",
+        [W_CALL],
+        "tool_calls",
+    ),
+    (
+        "auto, parallel_tool_calls true: content null beside calls (OpenAI)",
+        {"parallel_tool_calls": True},
+        f"{W}\n{C}",
+        None,
+        None,
+        [W_CALL, C_CALL],
+        "tool_calls",
+    ),
+    (
+        "auto: no call, plain content, stop (OpenAI)",
+        {},
+        "It is sunny.",
+        None,
+        "It is sunny.",
+        [],
+        "stop",
+    ),
+    (
+        "auto: max_tokens inside a call leaves text, finish length (OpenAI)",
+        {},
+        W,
+        '<tool_call>{"name": "weather", "arguments": {"city": "',
+        '<tool_call>{"name": "weather", "arguments": {"city": "',
+        [],
+        "length",
+    ),
+    (
+        "auto: max_tokens after a call's JSON, before its end tag: the call, but finish length"
+        " (OpenAI: length whenever max_tokens was reached)",
+        {},
+        C,
+        f"<tool_call>{NOON}",
+        None,
+        [C_CALL],
+        "length",
+    ),
+    (
+        "auto: max_tokens inside a second call: no call is half made, all text (vLLM's parsers)",
+        {},
+        W + C,
+        W + '<tool_call>{"name": "',
+        W + '<tool_call>{"name": "',
+        [],
+        "length",
+    ),
+    (
+        "auto: a stop string at the end tag ends a complete call: tool_calls (vLLM)",
+        {"stop": ["</tool_call>"]},
+        f"Sure.{W}",
+        None,
+        "Sure.",
+        [W_CALL],
+        "tool_calls",
+    ),
+    (
+        "auto: a stop string inside the call: text, stop (OpenAI)",
+        {"stop": ["Paris"]},
+        W,
+        None,
+        '<tool_call>{"name": "weather", "arguments": {"city": "',
+        [],
+        "stop",
+    ),
+    (
+        "required: several calls (parallel_tool_calls true by default)",
+        {"tool_choice": "required"},
+        f"[{PARIS}, {NOON}]",
+        None,
+        None,
+        [W_CALL, C_CALL],
+        "tool_calls",
+    ),
+    (
+        "required, parallel_tool_calls false: the grammar allows one call",
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        f"[{PARIS}, {NOON}]",
+        None,
+        None,
+        [W_CALL],
+        "tool_calls",
+    ),
+    (
+        "required: at least one call, even from a model that wants none (OpenAI)",
+        {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False},
+        "[]",
+        None,
+        None,
+        [C_CALL],
+        "tool_calls",
+    ),
+    (
+        "required: the grammar completes a call that lacks its arguments",
+        {"tool_choice": "required", "tools": [CLOCK], "parallel_tool_calls": False},
+        '[{"name": "clock"}]',
+        None,
+        None,
+        [C_CALL],
+        "tool_calls",
+    ),
+    (
+        "required: max_tokens before the array closes: text, length",
+        {"tool_choice": "required"},
+        f"[{NOON}]",
+        f"[{NOON}",
+        f"[{NOON}",
+        [],
+        "length",
+    ),
+    (
+        "named: that function's call, content null",
+        {"tool_choice": NAMED},
+        '{"city": "Paris"}',
+        None,
+        None,
+        [W_CALL],
+        "tool_calls",
+    ),
+    (
+        "named: max_tokens cuts the arguments: finish length (OpenAI)",
+        {"tool_choice": NAMED},
+        '{"city": "Paris"}',
+        '{"city": "',
+        None,
+        [("weather", '{"city": "')],
+        "length",
+    ),
+    (
+        "named: a stop string cuts the arguments: finish stop, not tool_calls (OpenAI)",
+        {"tool_choice": NAMED, "stop": ["Paris"]},
+        '{"city": "Paris"}',
+        None,
+        None,
+        [("weather", '{"city": "')],
+        "stop",
+    ),
+    (
+        "none: the model's call text is content, no call (OpenAI)",
+        {"tool_choice": "none"},
+        C,
+        None,
+        C,
+        [],
+        "stop",
+    ),
 ]
 
 
-@pytest.mark.parametrize("rule,body,text,cut,content,calls,finish", TOOL_RULES,
-                         ids=[f"tool_rule{i}" for i in range(len(TOOL_RULES))])
+@pytest.mark.parametrize(
+    "rule,body,text,cut,content,calls,finish",
+    TOOL_RULES,
+    ids=[f"tool_rule{i}" for i in range(len(TOOL_RULES))],
+)
 def test_tool_rules(tool_server, monkeypatch, rule, body, text, cut, content, calls, finish):
     """The tool rules of the table: content, calls and finish_reason, whole and streamed."""
     ids = script(tool_server.engine, monkeypatch, text)
@@ -5234,34 +6975,77 @@ def test_tool_rules(tool_server, monkeypatch, rule, body, text, cut, content, ca
     assert both_ways(tool_server, body) == [expected, expected], rule
 
 
-OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-             "additionalProperties": False}
+OK_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 OK_FORMAT = {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}
 # (rule, response_format and more, script, max_tokens cut, content, finish)
 FORMAT_RULES = [
     ("absent: free text", {}, 'Hi {"a": 1', None, 'Hi {"a": 1', "stop"),
-    ("text: free text (OpenAI)", {"response_format": {"type": "text"}}, 'Hi {"a": 1', None,
-     'Hi {"a": 1', "stop"),
-    ("json_object: one JSON object, nothing after it (OpenAI)",
-     {"response_format": {"type": "json_object"}}, '{"a": [1, 2]} and more', None, '{"a": [1, 2]}',
-     "stop"),
-    ("json_schema: only what the schema allows (OpenAI)",
-     {"response_format": OK_FORMAT},
-     '{"ok": true, "why": "sun"}', None, '{"ok": true}', "stop"),
-    ("json_schema, strict: the same (OpenAI)", {"response_format": {"type": "json_schema",
-     "json_schema": {"name": "ok", "strict": True, "schema": OK_SCHEMA}}}, '{"ok": true, "why": 1}',
-     None, '{"ok": true}', "stop"),
-    ("json_schema: max_tokens cuts the JSON: length (OpenAI)",
-     {"response_format": OK_FORMAT},
-     '{"ok": true}', '{"ok": ', '{"ok": ', "length"),
-    ("json_object: a stop string cuts the JSON: stop (docs/structured-outputs.md)",
-     {"response_format": {"type": "json_object"}, "stop": ["]"]}, '{"a": [1, 2]}', None,
-     '{"a": [1, 2', "stop"),
+    (
+        "text: free text (OpenAI)",
+        {"response_format": {"type": "text"}},
+        'Hi {"a": 1',
+        None,
+        'Hi {"a": 1',
+        "stop",
+    ),
+    (
+        "json_object: one JSON object, nothing after it (OpenAI)",
+        {"response_format": {"type": "json_object"}},
+        '{"a": [1, 2]} and more',
+        None,
+        '{"a": [1, 2]}',
+        "stop",
+    ),
+    (
+        "json_schema: only what the schema allows (OpenAI)",
+        {"response_format": OK_FORMAT},
+        '{"ok": true, "why": "sun"}',
+        None,
+        '{"ok": true}',
+        "stop",
+    ),
+    (
+        "json_schema, strict: the same (OpenAI)",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "ok", "strict": True, "schema": OK_SCHEMA},
+            }
+        },
+        '{"ok": true, "why": 1}',
+        None,
+        '{"ok": true}',
+        "stop",
+    ),
+    (
+        "json_schema: max_tokens cuts the JSON: length (OpenAI)",
+        {"response_format": OK_FORMAT},
+        '{"ok": true}',
+        '{"ok": ',
+        '{"ok": ',
+        "length",
+    ),
+    (
+        "json_object: a stop string cuts the JSON: stop (docs/structured-outputs.md)",
+        {"response_format": {"type": "json_object"}, "stop": ["]"]},
+        '{"a": [1, 2]}',
+        None,
+        '{"a": [1, 2',
+        "stop",
+    ),
 ]
 
 
-@pytest.mark.parametrize("rule,body,text,cut,content,finish", FORMAT_RULES,
-                         ids=[f"format_rule{i}" for i in range(len(FORMAT_RULES))])
+@pytest.mark.parametrize(
+    "rule,body,text,cut,content,finish",
+    FORMAT_RULES,
+    ids=[f"format_rule{i}" for i in range(len(FORMAT_RULES))],
+)
 def test_response_format_rules(server, monkeypatch, rule, body, text, cut, content, finish):
     """The response_format rules of the table: the content and finish_reason, whole and streamed."""
     ids = script(server.engine, monkeypatch, text)
@@ -5273,29 +7057,83 @@ def test_response_format_rules(server, monkeypatch, rule, body, text, cut, conte
 
 # (rule, template, body, script, max_tokens cut, reasoning, content, calls, finish)
 REASONING_RULES = [
-    ("thinking on: the output opens the block (vLLM's qwen3 parser)", QWEN3_TEMPLATE, {},
-     "<think>\nthe fox\n</think>\n\nhello", None, "\nthe fox\n", "\n\nhello", [], "stop"),
-    ("thinking on: the template opens the block; the parser reads the prompt's end",
-     THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", None, "the fox\n", "\n\nhello", [],
-     "stop"),
-    ("thinking off: an empty block closed in the prompt, all content (vLLM)", QWEN3_TEMPLATE,
-     {"chat_template_kwargs": {"enable_thinking": False}}, "hello", None, None, "hello", [],
-     "stop"),
-    ("max_tokens cuts inside the thinking the template opened: reasoning, no content, length",
-     THINKING_TEMPLATE, {}, "the fox\n</think>\n\nhello", "the fox", "the fox", None, [], "length"),
-    ("a call written inside the thinking is reasoning, not a call (vLLM parses content only)",
-     NAMES_TEMPLATE, {"tools": [CLOCK]}, f"<think>{C}</think>It is noon.", None, C, "It is noon.",
-     [], "stop"),
-    ("a call after the thinking is a call", NAMES_TEMPLATE, {"tools": [CLOCK]},
-     f"<think>now?</think>{C}", None, "now?", None, [C_CALL], "tool_calls"),
+    (
+        "thinking on: the output opens the block (vLLM's qwen3 parser)",
+        QWEN3_TEMPLATE,
+        {},
+        "<think>\nthe fox\n</think>\n\nhello",
+        None,
+        "\nthe fox\n",
+        "\n\nhello",
+        [],
+        "stop",
+    ),
+    (
+        "thinking on: the template opens the block; the parser reads the prompt's end",
+        THINKING_TEMPLATE,
+        {},
+        "the fox\n</think>\n\nhello",
+        None,
+        "the fox\n",
+        "\n\nhello",
+        [],
+        "stop",
+    ),
+    (
+        "thinking off: an empty block closed in the prompt, all content (vLLM)",
+        QWEN3_TEMPLATE,
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        "hello",
+        None,
+        None,
+        "hello",
+        [],
+        "stop",
+    ),
+    (
+        "max_tokens cuts inside the thinking the template opened: reasoning, no content, length",
+        THINKING_TEMPLATE,
+        {},
+        "the fox\n</think>\n\nhello",
+        "the fox",
+        "the fox",
+        None,
+        [],
+        "length",
+    ),
+    (
+        "a call written inside the thinking is reasoning, not a call (vLLM parses content only)",
+        NAMES_TEMPLATE,
+        {"tools": [CLOCK]},
+        f"<think>{C}</think>It is noon.",
+        None,
+        C,
+        "It is noon.",
+        [],
+        "stop",
+    ),
+    (
+        "a call after the thinking is a call",
+        NAMES_TEMPLATE,
+        {"tools": [CLOCK]},
+        f"<think>now?</think>{C}",
+        None,
+        "now?",
+        None,
+        [C_CALL],
+        "tool_calls",
+    ),
 ]
 
 
-@pytest.mark.parametrize("rule,template,body,text,cut,reasoning,content,calls,finish",
-                         REASONING_RULES,
-                         ids=[f"reasoning_rule{i}" for i in range(len(REASONING_RULES))])
-def test_reasoning_rules(thinking_server, monkeypatch, rule, template, body, text, cut, reasoning,
-                         content, calls, finish):
+@pytest.mark.parametrize(
+    "rule,template,body,text,cut,reasoning,content,calls,finish",
+    REASONING_RULES,
+    ids=[f"reasoning_rule{i}" for i in range(len(REASONING_RULES))],
+)
+def test_reasoning_rules(
+    thinking_server, monkeypatch, rule, template, body, text, cut, reasoning, content, calls, finish
+):
     """The reasoning rules of the table (--reasoning-parser qwen3, whose markers are one token each
     here): reasoning_content, content, calls and finish_reason, whole and streamed. The user's
     message is longer than the prompt's tail that the parser reads."""
@@ -5318,8 +7156,9 @@ def test_reasoning_markers_split_across_deltas(server, monkeypatch):
     assert both_ways(server, {"messages": HELLO, "max_tokens": len(ids) + 1}) == [expected] * 2
 
 
-def test_completions_keep_the_thinking_in_text_with_a_reasoning_parser(thinking_server,
-                                                                      monkeypatch):
+def test_completions_keep_the_thinking_in_text_with_a_reasoning_parser(
+    thinking_server, monkeypatch
+):
     """/v1/completions has no reasoning_content: vLLM splits the reasoning of chat completions only,
     so the text is the whole output, think block and all."""
     text = "<think>\nthe fox\n</think>\n\nhello"
@@ -5334,11 +7173,16 @@ def test_each_row_of_a_mixed_batch_gets_its_own_grammar(ckpt, monkeypatch):
     gets its own grammar's mask (apply_bitmasks' gather and scatter), the free row none."""
     llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
     script(llm.engine, monkeypatch, '{"ok": true, "why": 1} and more')
-    params = [SamplingParams(temperature=0, max_tokens=40, json_schema=schema)
-              for schema in (OK_SCHEMA, None, {"type": "object"})]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, json_schema=schema)
+        for schema in (OK_SCHEMA, None, {"type": "object"})
+    ]
     outs = llm.generate(["hello world"] * 3, params)
-    assert [o.text for o in outs] == ['{"ok": true}', '{"ok": true, "why": 1} and more',
-                                      '{"ok": true, "why": 1}']
+    assert [o.text for o in outs] == [
+        '{"ok": true}',
+        '{"ok": true, "why": 1} and more',
+        '{"ok": true, "why": 1}',
+    ]
     assert [o.finish_reason for o in outs] == ["stop"] * 3
 
 
@@ -5358,8 +7202,12 @@ def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
     script(tool_server.engine, monkeypatch, "{}")
     for name, status in [("a-Z_9" * 12 + "abcd", 200), ("a" * 65, 400), ("get.time", 400)]:
         tool = {"type": "function", "function": {"name": name}}
-        body = {"messages": HELLO, "tools": [tool], "max_tokens": 8,
-                "tool_choice": {"type": "function", "function": {"name": name}}}
+        body = {
+            "messages": HELLO,
+            "tools": [tool],
+            "max_tokens": 8,
+            "tool_choice": {"type": "function", "function": {"name": name}},
+        }
         got, _, answer = call(tool_server, "POST", CHAT, body)
         assert got == status, (name, answer)
         if status == 200:

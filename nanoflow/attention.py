@@ -80,8 +80,9 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                    scale: float) -> Tensor:
+def paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float
+) -> Tensor:
     """Attention of every new token of the flat batch over its sequence's paged KV."""
     if _use_triton(q.device):
         with launch_device(q.device):
@@ -101,8 +102,10 @@ def _use_triton(device: torch.device) -> bool:
     if attention_backend(device) != "triton":
         return False
     if triton is None:
-        raise RuntimeError("the Triton attention backend needs triton: pip install triton, or "
-                           "set NANOFLOW_ATTN=torch")
+        raise RuntimeError(
+            "the Triton attention backend needs triton: pip install triton, or "
+            "set NANOFLOW_ATTN=torch"
+        )
     return True
 
 
@@ -131,8 +134,9 @@ def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
 # ---------------------------------------------------------------- store KV
 
 
-def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 slot_mapping: Tensor) -> None:
+def store_kv_ref(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
     """New K/V [num_tokens, kv_heads, head_dim] into views [num_blocks, block_size, kv_heads, d]."""
     block_size = k_cache.shape[1]
     real = slot_mapping >= 0
@@ -142,10 +146,23 @@ def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 @_jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_t, stride_h,
-                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_t,
+    stride_h,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # One program copies one new token's K and V (all KV heads) into its slot of the pool.
     token = tl.program_id(0)
     # int64: block offsets can pass 2**31 elements in a big pool
@@ -161,22 +178,35 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
 
 
-def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    slot_mapping: Tensor) -> None:
+def store_kv_triton(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
     """store_kv_ref's contract, one program per new token."""
     num_tokens, kv_heads, head_dim = k.shape
     same_strides = k.stride() == v.stride() and k.stride(2) == 1
     assert same_strides, "k and v must share strides, head_dim contiguous"
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
         *_cache_strides(k_cache, v_cache),
-        **store_kv_config(k_cache.shape[1], kv_heads, head_dim))
+        **store_kv_config(k_cache.shape[1], kv_heads, head_dim),
+    )
 
 
 def store_kv_config(block_size: int, kv_heads: int, head_dim: int) -> dict:
     """The store kernel's constexprs (for its launcher and for the compile tests alike)."""
-    return dict(BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+    return dict(
+        BLOCK_SIZE=block_size,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 # ---------------------------------------------------------------- attention: shared pieces
@@ -197,17 +227,34 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
     q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True: may attend) -> like q."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2).to(q.dtype)
 
 
 @_jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d, stride_cb,
-                  stride_cs, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    pos,
+    in_range,
+    kv_head,
+    d,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """K and V [len(pos), len(d)] of one KV head at token positions pos (0 outside in_range)."""
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    offsets = (block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs
-               + kv_head * stride_ch + d[None, :])
+    offsets = (
+        block[:, None] * stride_cb
+        + (pos % BLOCK_SIZE)[:, None] * stride_cs
+        + kv_head * stride_ch
+        + d[None, :]
+    )
     mask = in_range[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
     return k, tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
@@ -237,8 +284,15 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, UPCAST: tl.c
 # ---------------------------------------------------------------- decode attention
 
 
-def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                         seq_lens: Tensor, max_seq_len: int, scale: float) -> Tensor:
+def decode_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> Tensor:
     """One query token per sequence: q [num_seqs, heads, d] -> [num_seqs, heads, d]."""
     k = _gather_context(k_cache, block_tables, max_seq_len)
     v = _gather_context(v_cache, block_tables, max_seq_len)
@@ -247,11 +301,30 @@ def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
 
 
 @_jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         part_out_ptr, part_lse_ptr, qk_scale, split_len, stride_qt, stride_qh,
-                         stride_bt, stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    split_len,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # One program: the GROUP query heads that share KV head `kv_head`, of decode sequence `seq`,
     # attending to the tokens [split * split_len, (split + 1) * split_len) of its context. Writes
     # their normalized partial outputs and log2-sum-exp2 for the merge kernel. Rows past GROUP pad
@@ -266,8 +339,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
-                other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
     table_ptr = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -275,10 +349,23 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d,
-                             stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, in_range[None, :], m_i, l_i, acc, qk_scale,
-                                             UPCAST)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            pos,
+            in_range,
+            kv_head,
+            d,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, in_range[None, :], m_i, l_i, acc, qk_scale, UPCAST
+        )
     # [seq, head, split]
     part = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g < GROUP)
@@ -286,9 +373,19 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
 
 
 @_jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_len, num_splits,
-                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    split_len,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # One program: one query head of one decode sequence, its splits' outputs weighted by
     # exp2(lse - max lse).
     seq, head = tl.program_id(0), tl.program_id(1)
@@ -298,60 +395,108 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
     part = (seq * tl.num_programs(1) + head) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=valid[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
     """Tokens per split: split long contexts until the grid has DECODE_TARGET_PROGRAMS programs."""
-    num_splits = min(cdiv(max_seq_len, DECODE_MIN_SPLIT),
-                     cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads), DECODE_MAX_SPLITS)
+    num_splits = min(
+        cdiv(max_seq_len, DECODE_MIN_SPLIT),
+        cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads),
+        DECODE_MAX_SPLITS,
+    )
     return cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 
-def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                            seq_lens: Tensor, max_seq_len: int, scale: float) -> Tensor:
+def decode_attention_triton(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> Tensor:
     """Flash-decoding: attend over splits of each context in parallel, then merge the splits."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     split_len = _decode_split_len(num_seqs, kv_heads, max_seq_len)
     num_splits = cdiv(max_seq_len, split_len)
-    part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32,
-                           device=q.device)
+    part_out = torch.empty(
+        num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E, split_len,
-        q.stride(0), q.stride(1), block_tables.stride(0), *_cache_strides(k_cache, v_cache),
-        **decode_config(heads // kv_heads, head_dim, k_cache.shape[1], q.dtype))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        split_len,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        **decode_config(heads // kv_heads, head_dim, k_cache.shape[1], q.dtype),
+    )
     out = torch.empty_like(q)
     _decode_merge_kernel[(num_seqs, heads)](
-        part_out, part_lse, seq_lens, out, split_len, num_splits, out.stride(0), out.stride(1),
-        **merge_config(head_dim, num_splits))
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        split_len,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        **merge_config(head_dim, num_splits),
+    )
     return out
 
 
 def decode_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
     """The decode split kernel's constexprs and warps; padding rows make the group tl.dot's 16."""
-    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
-                BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(),
-                num_warps=DECODE_WARPS_FP32 if dtype == torch.float32 else DEFAULT_WARPS)
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        UPCAST=_interpreting(),
+        num_warps=DECODE_WARPS_FP32 if dtype == torch.float32 else DEFAULT_WARPS,
+    )
 
 
 def merge_config(head_dim: int, num_splits: int) -> dict:
     """The decode merge kernel's constexprs and warps."""
-    return dict(HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-                BLOCK_D=triton.next_power_of_2(head_dim), num_warps=MERGE_WARPS)
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=MERGE_WARPS,
+    )
 
 
 # ---------------------------------------------------------------- prefill / extend attention
 
 
-def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                         scale: float, out: Tensor) -> None:
+def extend_attention_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float, out: Tensor
+) -> None:
     """Every prefill/extend chunk of the batch (the sequences after the decodes), into out: each
     chunk attends causally to its sequence's cached prefix and to itself."""
     start = meta.num_decodes
@@ -362,16 +507,37 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attn
         v = _gather_context(v_cache, meta.block_tables[i][None], seq_len)
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None] <= q_pos[:, None]
-        out[start:start + n] = _attend(q[start:start + n][None], k, v, mask[None], scale)[0]
+        out[start : start + n] = _attend(q[start : start + n][None], k, v, mask[None], scale)[0]
         start += n
 
 
 @_jit
-def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                   query_start_loc_ptr, qk_scale, first_seq, stride_qt, stride_qh, stride_ot,
-                   stride_oh, stride_bt, stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+def _extend_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    first_seq,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one sequence's
     # chunk, one query head, attending causally to the sequence's cached prefix and the chunk (all
     # in the cache, via its block table).
@@ -385,8 +551,11 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, s
     q_pos = seq_len - q_len + m  # position of each query token in its sequence
     d = tl.arange(0, BLOCK_D)
     q_mask = (m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
     kv_head = head // GROUP
     table_ptr = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -397,17 +566,33 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, s
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_range, kv_head, d,
-                             stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            pos,
+            in_range,
+            kv_head,
+            d,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
         causal = pos[None, :] <= q_pos[:, None]  # implies pos < seq_len for real query rows
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, UPCAST)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
-def extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-                            scale: float, out: Tensor) -> None:
+def extend_attention_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float, out: Tensor
+) -> None:
     """extend_attention_ref's contract, every chunk in one launch."""
     heads, head_dim = q.shape[1:]
     nd = meta.num_decodes
@@ -415,10 +600,23 @@ def extend_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
     num_m_blocks = cdiv(max(meta.query_lens[nd:]), config["BLOCK_M"])
     grid = (num_m_blocks, heads, len(meta.query_lens) - nd)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * LOG2E, nd,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        *_cache_strides(k_cache, v_cache), **config)
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale * LOG2E,
+        nd,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        **config,
+    )
 
 
 def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
@@ -428,9 +626,16 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
     else:
         wide = head_dim > 64
         block_m, block_n, num_warps = EXTEND_TILES_16BIT_WIDE if wide else EXTEND_TILES_16BIT
-    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=_interpreting(),
-                num_warps=num_warps)
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        UPCAST=_interpreting(),
+        num_warps=num_warps,
+    )
 
 
 # ---------------------------------------------------------------- the whole batch
@@ -438,16 +643,26 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
 
 def _whole_batch(decode, extend):
     """paged_attention over the flat batch: the decodes in one call, then the prefill chunks."""
-    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
-               scale: float) -> Tensor:
+
+    def attend(
+        q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float
+    ) -> Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                              meta.seq_lens[:nd], max(meta.seq_lens_list[:nd]), scale)
+            out[:nd] = decode(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                max(meta.seq_lens_list[:nd]),
+                scale,
+            )
         if len(meta.query_lens) > nd:
             extend(q, k_cache, v_cache, meta, scale, out)
         return out
+
     return attend
 
 

@@ -50,8 +50,10 @@ def launch(ckpt, device: torch.device, size: int) -> Shard:
     if "WORLD_SIZE" in os.environ:
         init_method = "env://"
         if int(os.environ["WORLD_SIZE"]) != size:
-            raise ValueError(f"tensor_parallel_size {size}, but torchrun started "
-                             f"{os.environ['WORLD_SIZE']} processes")
+            raise ValueError(
+                f"tensor_parallel_size {size}, but torchrun started "
+                f"{os.environ['WORLD_SIZE']} processes"
+            )
         if torchrun_rank():
             worker(torchrun_rank(), size, init_method, str(ckpt), device)
             sys.exit(0)
@@ -85,6 +87,7 @@ def lead(engine, swapper: Swapper | None, capture: bool) -> None:
     def broadcast_inputs(_, args):
         input_ids, positions, _caches, meta, logits_indices = args
         _broadcast(("forward", (input_ids, positions, meta, logits_indices)))
+
     engine.model.register_forward_pre_hook(broadcast_inputs)
     for name in ("_to_host", "_to_device") if swapper else ():
         setattr(swapper, name, _mirrored(name, getattr(swapper, name)))
@@ -94,6 +97,7 @@ def _mirrored(name: str, call):
     def broadcast_then_call(*args):
         _broadcast((name, args))
         return call(*args)
+
     return broadcast_then_call
 
 
@@ -134,8 +138,9 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
         from .engine import DecodeGraphs, graph_sizes  # here: engine.py imports this module
 
         max_num_seqs, max_model_len = graphs
-        graphs = DecodeGraphs(model, caches, graph_sizes(max_num_seqs), max_model_len, block_size,
-                              capture=True)
+        graphs = DecodeGraphs(
+            model, caches, graph_sizes(max_num_seqs), max_model_len, block_size, capture=True
+        )
     while (msg := _broadcast()) is not None:
         name, args = msg
         args = [_on(x, device) for x in args]
@@ -151,8 +156,9 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
     dist.destroy_process_group()
 
 
-def _spawned(rank: int, size: int, init_method: str, ckpt: str, device: torch.device,
-             parent: int) -> None:
+def _spawned(
+    rank: int, size: int, init_method: str, ckpt: str, device: torch.device, parent: int
+) -> None:
     """A worker rank 0 started: it ends when rank 0 says so, or is gone."""
     # Ctrl-C and a service manager's SIGTERM reach the whole group: rank 0 drains, then stops us
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -189,8 +195,12 @@ def _watch_workers() -> None:
     while workers:
         for p in list(workers):
             if p.exitcode is not None and p in workers:
-                print(f"nanoflow: tensor-parallel worker {p.name} (pid {p.pid}) died with exit "
-                      f"code {p.exitcode}; stopping", file=sys.stderr, flush=True)
+                print(
+                    f"nanoflow: tensor-parallel worker {p.name} (pid {p.pid}) died with exit "
+                    f"code {p.exitcode}; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for other in workers:
                     other.kill()
                 os._exit(1)

@@ -17,11 +17,17 @@ from . import dist
 from .attention import AttnMetadata
 from .grammar import Grammars, check_schema
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
-from .model import (ModelConfig, Shard, Transformer, demo_checkpoint, generation_config,
-                    load_model)
+from .model import ModelConfig, Shard, Transformer, demo_checkpoint, generation_config, load_model
 from .sampler import sample, token_logprobs
-from .sched import (POLICIES, Policy, Request, RequestStatus, SamplingParams, Scheduler,
-                    TokenFlowConfig)
+from .sched import (
+    POLICIES,
+    Policy,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    TokenFlowConfig,
+)
 from .swap import Swapper
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -37,9 +43,15 @@ OTHERS_BUSY, OTHERS_IDLE = 0.5, 0.2
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
 GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def knob(default, help: str, **flag):
@@ -52,8 +64,11 @@ class EngineConfig:
     """The engine's knobs: `LLM(**fields)`, and the flags of serve.py and bench.py (`add_flags`)."""
 
     device: str | None = knob(None, "cuda, cuda:1 or cpu (default: cuda when available)")
-    dtype: str | torch.dtype = knob("auto", "float32, bfloat16, float16 or auto: the checkpoint's "
-                                    "16-bit one (or bf16) on GPU, nanoflow.model.CPU_DTYPE on CPU")
+    dtype: str | torch.dtype = knob(
+        "auto",
+        "float32, bfloat16, float16 or auto: the checkpoint's "
+        "16-bit one (or bf16) on GPU, nanoflow.model.CPU_DTYPE on CPU",
+    )
     block_size: int = knob(16, "tokens per KV block", type=int)
     num_kv_blocks: int | None = knob(None, "KV blocks (default: what free memory holds)", type=int)
     policy: str | Policy = knob("tokenflow", "fcfs: vLLM's and SGLang's", choices=list(POLICIES))
@@ -62,18 +77,31 @@ class EngineConfig:
     host_kv_gb: float = knob(4.0, "host memory for KV swapped out of the device (GB)", type=float)
     read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s of a reader who declares none", type=float)
     tokenflow: TokenFlowConfig | None = knob(
-        None, f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
-        type=TokenFlowConfig.parse, metavar="KEY=VALUE,...")
-    max_model_len: int | None = knob(None, "longest prompt + output in tokens (default: the "
-                                     "model's context, at most what the KV pool holds)", type=int)
+        None,
+        f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
+        type=TokenFlowConfig.parse,
+        metavar="KEY=VALUE,...",
+    )
+    max_model_len: int | None = knob(
+        None,
+        "longest prompt + output in tokens (default: the "
+        "model's context, at most what the KV pool holds)",
+        type=int,
+    )
     # vLLM's default; the rest of the device is for activations
     gpu_memory_utilization: float = knob(0.9, "GPU share for weights + KV cache", type=float)
     enforce_eager: bool = knob(False, "no CUDA graphs (a CPU never has them)", action="store_true")
     tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)
-    enable_prefix_caching: bool = knob(True, "reuse the KV of prompt prefixes computed before",
-                                       action=argparse.BooleanOptionalAction)
-    cpu_threads: int | None = knob(None, "torch threads on a CPU (default: one per core, one "
-                                   "fewer while other processes compute)", type=int)
+    enable_prefix_caching: bool = knob(
+        True,
+        "reuse the KV of prompt prefixes computed before",
+        action=argparse.BooleanOptionalAction,
+    )
+    cpu_threads: int | None = knob(
+        None,
+        "torch threads on a CPU (default: one per core, one fewer while other processes compute)",
+        type=int,
+    )
 
     def __post_init__(self):
         # checked before the model loads: a typo should fail fast
@@ -88,23 +116,36 @@ class EngineConfig:
         for f in fields(cls):
             if names is None or f.name in names:
                 default = "" if f.default in (None, False) else " (default: %(default)s)"
-                parser.add_argument("--" + f.name.replace("_", "-"), default=f.default,
-                                    **{**f.metadata, "help": f.metadata["help"] + default})
+                parser.add_argument(
+                    "--" + f.name.replace("_", "-"),
+                    default=f.default,
+                    **{**f.metadata, "help": f.metadata["help"] + default},
+                )
 
     @staticmethod
     def flag_values(args: argparse.Namespace, names: list[str] | None = None) -> dict:
         """The fields' values from the flags that `add_flags(parser, names)` made."""
-        return {f.name: getattr(args, f.name) for f in fields(EngineConfig)
-                if names is None or f.name in names}
+        return {
+            f.name: getattr(args, f.name)
+            for f in fields(EngineConfig)
+            if names is None or f.name in names
+        }
 
 
 class Engine:
     """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
 
-    def __init__(self, model: Transformer | None, config: ModelConfig, tokenizer: Tokenizer,
-                 scheduler: Scheduler, read_rate: float = DEFAULT_READ_RATE,
-                 max_model_len: int | None = None, enforce_eager: bool = False,
-                 threads: "CpuThreads | None" = None):
+    def __init__(
+        self,
+        model: Transformer | None,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        read_rate: float = DEFAULT_READ_RATE,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        threads: "CpuThreads | None" = None,
+    ):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -114,13 +155,16 @@ class Engine:
         self.read_rate = read_rate
         self.device = self.kv.kv_cache.device if model else torch.device("cpu")
         self.kv_caches = self.kv.layer_caches() if model else []
-        self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings,
-                                            self.kv.num_blocks * self.kv.block_size)
+        self.max_model_len = _max_model_len(
+            max_model_len, config.max_position_embeddings, self.kv.num_blocks * self.kv.block_size
+        )
         window = config.sliding_window
         if window and self.max_model_len > window:
-            raise ValueError(f"this model attends only to its last {window} tokens "
-                             f"(sliding_window), which nanoflow does not implement: serve it with "
-                             f"max_model_len <= {window} (now {self.max_model_len})")
+            raise ValueError(
+                f"this model attends only to its last {window} tokens "
+                f"(sliding_window), which nanoflow does not implement: serve it with "
+                f"max_model_len <= {window} (now {self.max_model_len})"
+            )
         eager = enforce_eager or self.device.type != "cuda"
         self.graphs = None if eager else self.decode_graphs(capture=True)
         self.requests: dict[str, Request] = {}
@@ -128,8 +172,13 @@ class Engine:
         self.grammars = Grammars(tokenizer, config.vocab_size)
         self.threads = threads
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
         """Queue a request that `check_prompt` passed (LLM and the server check at their door)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -154,8 +203,10 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context is "
-                             f"{self.max_model_len} (max_model_len): generation needs one more")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context is "
+                f"{self.max_model_len} (max_model_len): generation needs one more"
+            )
         if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
             raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
         if params.json_schema is not None:
@@ -179,18 +230,29 @@ class Engine:
         s = self.scheduler
         swapper = s.swapper
         host = swapper.host if swapper else None
-        return {"preemptions": 0, "resumes_load": 0, "resumes_recompute": 0, "bytes_to_host": 0,
-                "bytes_to_device": 0, "blocks_written_through": 0, "blocks_demoted": 0,
-                "prefix_queried_tokens": 0, "prefix_hit_tokens": 0, "prefix_host_hit_tokens": 0,
-                **s.counters, **(swapper.counters if swapper else {}),
-                "running": len(s.running), "waiting": len(s.waiting),
-                "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
-                "device_blocks_free": self.kv.num_free,
-                "device_blocks_cached": len(self.kv.evictable),
-                "device_blocks_total": self.kv.num_blocks,
-                "host_blocks_free": host.num_free if host else 0,
-                "host_blocks_total": host.num_blocks if host else 0,
-                **(s.buffer_signal() if buffer_signal else {})}
+        return {
+            "preemptions": 0,
+            "resumes_load": 0,
+            "resumes_recompute": 0,
+            "bytes_to_host": 0,
+            "bytes_to_device": 0,
+            "blocks_written_through": 0,
+            "blocks_demoted": 0,
+            "prefix_queried_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "prefix_host_hit_tokens": 0,
+            **s.counters,
+            **(swapper.counters if swapper else {}),
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "preempted": sum(r.status == RequestStatus.PREEMPTED for r in s.waiting),
+            "device_blocks_free": self.kv.num_free,
+            "device_blocks_cached": len(self.kv.evictable),
+            "device_blocks_total": self.kv.num_blocks,
+            "host_blocks_free": host.num_free if host else 0,
+            "host_blocks_total": host.num_blocks if host else 0,
+            **(s.buffer_signal() if buffer_signal else {}),
+        }
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that produced a token or finished."""
@@ -205,8 +267,9 @@ class Engine:
         self.wait_for_loads(batch)
         tokens = self.run(batch)
         self.postprocess(batch, tokens)
-        self.scheduler.after_step(self.clock() - start, batch.num_prefill_tokens,
-                                  len(batch.sampled))
+        self.scheduler.after_step(
+            self.clock() - start, batch.num_prefill_tokens, len(batch.sampled)
+        )
         return batch.sampled
 
     def idle(self) -> None:
@@ -225,10 +288,17 @@ class Engine:
         """One forward over the flat batch; one sampled token per request in `batch.sampled`."""
         reqs = batch.reqs
         computed = [req.num_computed_tokens for req in reqs]
-        meta, positions = build_metadata([r.block_table for r in reqs], computed, batch.query_lens,
-                                         batch.num_decodes, self.kv.block_size, self.device)
-        input_ids = [t for r, c, n in zip(reqs, computed, batch.query_lens)
-                     for t in r.token_ids[c:c + n]]
+        meta, positions = build_metadata(
+            [r.block_table for r in reqs],
+            computed,
+            batch.query_lens,
+            batch.num_decodes,
+            self.kv.block_size,
+            self.device,
+        )
+        input_ids = [
+            t for r, c, n in zip(reqs, computed, batch.query_lens) for t in r.token_ids[c : c + n]
+        ]
         ids = to_device(input_ids, torch.long, self.device)
         decode_only = meta.num_decodes == len(batch.sampled) == len(reqs)
         if self.graphs and decode_only:
@@ -243,14 +313,15 @@ class Engine:
         self._record_logprobs(batch.sampled, logits, tokens)
         return tokens
 
-    def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor,
-                         tokens: list[int]) -> None:
+    def _record_logprobs(
+        self, reqs: list[Request], logits: torch.Tensor, tokens: list[int]
+    ) -> None:
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if not asked:
             return
         for req, (logprob, top) in zip(reqs, token_logprobs(logits, tokens, max(asked))):
             if req.params.logprobs is not None:
-                req.logprobs.append((logprob, top[:req.params.logprobs]))
+                req.logprobs.append((logprob, top[: req.params.logprobs]))
 
     def postprocess(self, batch: "Batch", tokens: list[int]) -> None:
         """Advance every request past its computed tokens; append the sampled ones' new token."""
@@ -262,15 +333,22 @@ class Engine:
 
     def decode_graphs(self, capture: bool) -> "DecodeGraphs":
         """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
-        return DecodeGraphs(self.model, self.kv_caches, graph_sizes(self.scheduler.max_num_seqs),
-                            self.max_model_len, self.kv.block_size, capture)
+        return DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            graph_sizes(self.scheduler.max_num_seqs),
+            self.max_model_len,
+            self.kv.block_size,
+            capture,
+        )
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.append(token, now)
         if req.matcher is not None:
             req.matcher.consume_token(token)
-        eos = token in req.params.stop_token_ids or (token in self.tokenizer.eos_token_ids
-                                                     and not req.params.ignore_eos)
+        eos = token in req.params.stop_token_ids or (
+            token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
+        )
         full = req.num_tokens >= self.max_model_len
         done = eos or req.num_output_tokens >= req.params.max_tokens or full
         detokenizer = self.detokenizers[req.request_id]
@@ -289,7 +367,7 @@ class Engine:
         found = {req.output_text.find(s, max(0, before - len(s) + 1)): s for s in req.params.stop}
         hits = [i for i in found if i >= 0]
         if hits:
-            req.output_text = req.output_text[:min(hits)]
+            req.output_text = req.output_text[: min(hits)]
             req.stop_reason = found[min(hits)]
         return bool(hits)
 
@@ -332,8 +410,15 @@ class DecodeGraphs:
     """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
     same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
 
-    def __init__(self, model: Transformer, kv_caches: list, sizes: list[int], max_model_len: int,
-                 block_size: int, capture: bool):
+    def __init__(
+        self,
+        model: Transformer,
+        kv_caches: list,
+        sizes: list[int],
+        max_model_len: int,
+        block_size: int,
+        capture: bool,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
@@ -344,8 +429,9 @@ class DecodeGraphs:
         self.positions = torch.zeros_like(self.input_ids)
         self.slot_mapping = torch.full_like(self.input_ids, -1)
         self.rows = torch.arange(n, device=device)
-        self.block_tables = torch.zeros(n, cdiv(max_model_len, block_size), dtype=torch.int32,
-                                        device=device)
+        self.block_tables = torch.zeros(
+            n, cdiv(max_model_len, block_size), dtype=torch.int32, device=device
+        )
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -354,11 +440,18 @@ class DecodeGraphs:
             self._capture()
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttnMetadata(self.slot_mapping[:size], self.block_tables[:size],
-                            self.seq_lens[:size], self.query_start_loc[:size + 1], size, [1] * size,
-                            [self.max_model_len] * size)
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta,
-                          self.rows[:size])
+        meta = AttnMetadata(
+            self.slot_mapping[:size],
+            self.block_tables[:size],
+            self.seq_lens[:size],
+            self.query_start_loc[: size + 1],
+            size,
+            [1] * size,
+            [self.max_model_len] * size,
+        )
+        return self.model(
+            self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.rows[:size]
+        )
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -368,8 +461,9 @@ class DecodeGraphs:
             with torch.cuda.graph(self.graphs[size], pool=pool):
                 self.logits[size] = self._forward(size)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttnMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata
+    ) -> torch.Tensor:
         """Logits of a decode-only batch: its rows first, then padding up to the next size."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
@@ -377,7 +471,7 @@ class DecodeGraphs:
         self.positions[:n] = positions
         self.slot_mapping[:n] = meta.slot_mapping
         self.slot_mapping[n:size] = -1
-        self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+        self.block_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
         self.seq_lens[:n] = meta.seq_lens
         self.seq_lens[n:size] = 1
         if size in self.graphs:
@@ -401,8 +495,9 @@ class LLM:
     """Offline batched generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`.
     Options are `EngineConfig` fields: `LLM(ckpt, num_kv_blocks=64)` or `LLM(ckpt, config)`."""
 
-    def __init__(self, ckpt: str | Path | None = None, config: EngineConfig | None = None,
-                 **options):
+    def __init__(
+        self, ckpt: str | Path | None = None, config: EngineConfig | None = None, **options
+    ):
         c = replace(config or EngineConfig(), **options)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ckpt = ckpt or demo_checkpoint()
@@ -425,11 +520,27 @@ class LLM:
         host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
         host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
         swapper = Swapper(kv, host) if host_blocks else None
-        scheduler = Scheduler(kv, c.max_num_seqs, c.max_num_batched_tokens, time.monotonic,
-                              c.policy, swapper, c.tokenflow, c.enable_prefix_caching)
+        scheduler = Scheduler(
+            kv,
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            time.monotonic,
+            c.policy,
+            swapper,
+            c.tokenflow,
+            c.enable_prefix_caching,
+        )
         # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead
-        self.engine = Engine(model, model.config, self.tokenizer, scheduler, c.read_rate,
-                             c.max_model_len, c.enforce_eager or tp > 1, threads)
+        self.engine = Engine(
+            model,
+            model.config,
+            self.tokenizer,
+            scheduler,
+            c.read_rate,
+            c.max_model_len,
+            c.enforce_eager or tp > 1,
+            threads,
+        )
         if threads:
             log.info("compute: %s", threads.describe())
         if tp > 1:
@@ -438,24 +549,31 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Output]:
         """Generate for every prompt (text or token ids), batched; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(ids, params)
 
-    def chat(self, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | list[SamplingParams] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[Output]:
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[Output]:
         """`generate` for conversations ([{"role", "content"}, ...]) through the chat template;
         chat_template_kwargs are its variables (e.g. Qwen3's `enable_thinking=False`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         kwargs = chat_template_kwargs or {}
-        return self._run([self.tokenizer.apply_chat_template(c, **kwargs) for c in conversations],
-                         params)
+        return self._run(
+            [self.tokenizer.apply_chat_template(c, **kwargs) for c in conversations], params
+        )
 
     def _run(self, prompt_ids: list[list[int]], params) -> list[Output]:
         if not isinstance(params, list):
@@ -470,8 +588,12 @@ class LLM:
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
         while self.engine.has_unfinished():
             self.engine.step()
-        return [Output(r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids,
-                       r.finish_reason) for r in reqs]
+        return [
+            Output(
+                r.request_id, r.prompt_token_ids, r.output_text, r.output_token_ids, r.finish_reason
+            )
+            for r in reqs
+        ]
 
 
 class CpuThreads:
@@ -506,8 +628,10 @@ class CpuThreads:
     def describe(self) -> str:
         if self.fixed:
             return f"{self.fixed} torch threads (--cpu-threads)"
-        return (f"{torch.get_num_threads()} torch threads of {self.cores} cores, one fewer while "
-                "other processes compute")
+        return (
+            f"{torch.get_num_threads()} torch threads of {self.cores} cores, one fewer while "
+            "other processes compute"
+        )
 
 
 def busy_cpu_seconds() -> float | None:

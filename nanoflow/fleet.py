@@ -64,8 +64,11 @@ class BufferAware(Router):
 
     def key(self, view: View) -> tuple:
         s = view.scrape
-        headroom = (s["capacity_tokens_per_second"] - s["reader_demand_tokens_per_second"]
-                    - view.sent_demand)
+        headroom = (
+            s["capacity_tokens_per_second"]
+            - s["reader_demand_tokens_per_second"]
+            - view.sent_demand
+        )
         return headroom < 0, s["waiting"] + view.sent, -headroom
 
 
@@ -78,8 +81,9 @@ def make_router(name: str, seed: int = 0) -> Router:
     return ROUTERS[name](seed)
 
 
-def simulate(engines: list[Engine], w, router: Router, scrape_interval: float = 1.0
-             ) -> tuple[list[Request], list[int], float]:
+def simulate(
+    engines: list[Engine], w, router: Router, scrape_interval: float = 1.0
+) -> tuple[list[Request], list[int], float]:
     """Run workload w (bench.Workload: arrivals from 0, prompt_ids(i), params(i)) on the fleet.
     Returns each request in w's order, the replica that served it, and the start time."""
     if scrape_interval <= 0:

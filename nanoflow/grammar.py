@@ -26,8 +26,10 @@ def response_format_schema(response_format) -> dict | None:
         return ANY_OBJECT
     spec = given.get("json_schema") if given.get("type") == "json_schema" else None
     if not isinstance(spec, dict):
-        raise ValueError('`response_format` must be {"type": "text"}, {"type": "json_object"} or '
-                         '{"type": "json_schema", "json_schema": {"name", "schema"}}')
+        raise ValueError(
+            '`response_format` must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name", "schema"}}'
+        )
     schema = spec.get("schema", ANY_OBJECT)
     try:
         check_schema(schema)
@@ -66,8 +68,11 @@ class Grammars:
     def lltokenizer(self):
         from llguidance import LLTokenizer
 
-        return LLTokenizer(self.tokenizer.tk.to_str(), n_vocab=self.vocab_size,
-                           eos_token=self.tokenizer.eos_token_ids)
+        return LLTokenizer(
+            self.tokenizer.tk.to_str(),
+            n_vocab=self.vocab_size,
+            eos_token=self.tokenizer.eos_token_ids,
+        )
 
     def matcher(self, schema: dict):
         from llguidance import LLMatcher
@@ -89,8 +94,9 @@ def apply_bitmasks(logits: Tensor, reqs: list) -> Tensor:
     rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
     vocab = logits.shape[-1]
     bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)  # filled on the CPU
-    fill_next_token_bitmask_par(_executor(), [(reqs[i].matcher, j) for j, i in enumerate(rows)],
-                                bitmask)
+    fill_next_token_bitmask_par(
+        _executor(), [(reqs[i].matcher, j) for j, i in enumerate(rows)], bitmask
+    )
     # bit j of word w allows token 32 w + j: the words' bytes in order (little-endian), low bit 1st
     allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     allowed = torch.from_numpy(allowed).to(logits.device, torch.bool)

@@ -19,16 +19,26 @@ from torch import Tensor
 from .attention import AttnMetadata, cdiv
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 class KVPool:
     """KV memory and its block allocator: cached blocks count as free but are taken last."""
 
-    def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, host: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        host: bool = False,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
@@ -54,8 +64,9 @@ class KVPool:
         ptr = self.kv_cache.data_ptr()
         nbytes = self.kv_cache.numel() * self.kv_cache.element_size()
         if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:  # cudaSuccess
-            raise RuntimeError(f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; "
-                               "lower host_kv_gb")
+            raise RuntimeError(
+                f"could not pin {nbytes / 2**30:.1f} GiB of host KV memory; lower host_kv_gb"
+            )
         weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
@@ -158,9 +169,14 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def build_metadata(block_tables: list[list[int]], num_computed: list[int], query_lens: list[int],
-                   num_decodes: int, block_size: int,
-                   device: torch.device) -> tuple[AttnMetadata, Tensor]:
+def build_metadata(
+    block_tables: list[list[int]],
+    num_computed: list[int],
+    query_lens: list[int],
+    num_decodes: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttnMetadata, Tensor]:
     """Attention metadata and positions: sequence i adds query_lens[i] tokens at num_computed[i]."""
     positions, slots = [], []
     for table, start, n in zip(block_tables, num_computed, query_lens):
@@ -171,10 +187,13 @@ def build_metadata(block_tables: list[list[int]], num_computed: list[int], query
     width = max(len(t) for t in block_tables)
     padded = [t + [0] * (width - len(t)) for t in block_tables]
     starts = list(itertools.accumulate(query_lens, initial=0))
-    meta = AttnMetadata(slot_mapping=to_device(slots, torch.int64, device),
-                        block_tables=to_device(padded, torch.int32, device),
-                        seq_lens=to_device(seq_lens, torch.int32, device),
-                        query_start_loc=to_device(starts, torch.int32, device),
-                        num_decodes=num_decodes, query_lens=list(query_lens),
-                        seq_lens_list=seq_lens)
+    meta = AttnMetadata(
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(padded, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        query_start_loc=to_device(starts, torch.int32, device),
+        num_decodes=num_decodes,
+        query_lens=list(query_lens),
+        seq_lens_list=seq_lens,
+    )
     return meta, to_device(positions, torch.int64, device)

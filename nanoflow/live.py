@@ -117,10 +117,16 @@ class LiveView:
         for pool in ("device", "host"):  # [used, total]
             total = stats[f"{pool}_blocks_total"]
             pools[f"{pool}_blocks"] = [total - stats[f"{pool}_blocks_free"], total]
-        return {"server": self.server_id, "model": self.model,
-                "policy": type(engine.scheduler.policy).__name__.lower(),
-                "tokens_per_s": self.tokens_per_s, "rows": rows, "events": list(self.events),
-                **{k: stats[k] for k in SNAPSHOT_STATS}, **pools}
+        return {
+            "server": self.server_id,
+            "model": self.model,
+            "policy": type(engine.scheduler.policy).__name__.lower(),
+            "tokens_per_s": self.tokens_per_s,
+            "rows": rows,
+            "events": list(self.events),
+            **{k: stats[k] for k in SNAPSHOT_STATS},
+            **pools,
+        }
 
     def _note_events(self, reqs: list[Request], rows: list[dict]) -> None:
         """Turn each request's change of state since the last snapshot into an event."""
@@ -153,12 +159,18 @@ def request_state(req: Request) -> str:
 def request_row(req: Request, now: float) -> dict:
     """One request as the page shows it; its reader has (dry_at - now) * r - 1 tokens unread."""
     lead = req.dry_at - now
-    return {"id": req.request_id, "state": request_state(req), "read_rate": req.read_rate,
-            "ttft": req.record().ttft if req.started else None,
-            "age": now - req.arrival_time, "output": req.num_output_tokens,
-            "max_tokens": req.params.max_tokens, "preemptions": req.num_preemptions,
-            "buffer_tokens": max(0, math.ceil(lead * req.read_rate - 1)) if req.started else 0,
-            "buffer_s": lead if req.started else None}
+    return {
+        "id": req.request_id,
+        "state": request_state(req),
+        "read_rate": req.read_rate,
+        "ttft": req.record().ttft if req.started else None,
+        "age": now - req.arrival_time,
+        "output": req.num_output_tokens,
+        "max_tokens": req.params.max_tokens,
+        "preemptions": req.num_preemptions,
+        "buffer_tokens": max(0, math.ceil(lead * req.read_rate - 1)) if req.started else 0,
+        "buffer_s": lead if req.started else None,
+    }
 
 
 def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], SamplingParams]]:

@@ -15,8 +15,15 @@ import torch
 TTFT_TARGET = 1.3  # s: past it users disengage (TokenFlow's user study); Andes' QoE target
 TTFT_SLO = 2.0  # s: the bench's TTFT SLO on a GPU (--ttft-slo); a request without a token misses it
 # engine.stats() levels (the last four: the buffer signal, docs/scheduling.md); the rest are counts
-ENGINE_GAUGES = {"running", "waiting", "preempted", "reader_demand_tokens_per_second",
-                 "capacity_tokens_per_second", "readers_dry_soon", "past_capacity"}
+ENGINE_GAUGES = {
+    "running",
+    "waiting",
+    "preempted",
+    "reader_demand_tokens_per_second",
+    "capacity_tokens_per_second",
+    "readers_dry_soon",
+    "past_capacity",
+}
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.5, 5.0, 10.0, 30.0)  # s; 1.3 s: users give up
 TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)  # s; 8 tok/s readers need < 0.125
 
@@ -53,8 +60,9 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
     return weights
 
 
-def qoe(arrival: float, token_times: list[float], rate: float,
-        ttft_target: float = TTFT_TARGET) -> float:
+def qoe(
+    arrival: float, token_times: list[float], rate: float, ttft_target: float = TTFT_TARGET
+) -> float:
     """Andes' QoE (docs/scheduling.md); reading before a token's due time counts as on time."""
     times = read_times(token_times, rate)
     late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(times))
@@ -77,8 +85,9 @@ def percentile(xs: list[float], p: float) -> float:
     return torch.tensor(xs, dtype=torch.float64).quantile(p / 100).item() if xs else float("nan")
 
 
-def summarize(records: list[RequestRecord], makespan: float,
-              ttft_slo: float = TTFT_SLO) -> dict[str, float]:
+def summarize(
+    records: list[RequestRecord], makespan: float, ttft_slo: float = TTFT_SLO
+) -> dict[str, float]:
     """The bench's and /metrics' numbers over finished requests, in seconds and tokens/s."""
     done = [r for r in records if r.token_times]
     ttfts = [r.ttft for r in done]
@@ -88,13 +97,22 @@ def summarize(records: list[RequestRecord], makespan: float,
     tokens = sum(len(r.token_times) for r in done)
     weighted = sum(sum(effective_weights(r.token_times, r.rate)) for r in done)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"ttft_mean": mean(ttfts), "ttft_p50": percentile(ttfts, 50),
-            "ttft_p99": percentile(ttfts, 99), "tbt_p99": percentile(tbts, 99),
-            "rebuffer_mean": mean(rebuffers), "rebuffer_p99": percentile(rebuffers, 99),
-            "qoe_mean": mean(qoes), "qoe_good_share": mean([q >= 0.95 for q in qoes]),
-            "ttft_slo_share": sum(t <= ttft_slo for t in ttfts) / max(1, len(records)),
-            "effective_throughput": weighted / makespan, "throughput": tokens / makespan,
-            "makespan": makespan, "requests": len(records), "completed": len(done)}
+    return {
+        "ttft_mean": mean(ttfts),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "tbt_p99": percentile(tbts, 99),
+        "rebuffer_mean": mean(rebuffers),
+        "rebuffer_p99": percentile(rebuffers, 99),
+        "qoe_mean": mean(qoes),
+        "qoe_good_share": mean([q >= 0.95 for q in qoes]),
+        "ttft_slo_share": sum(t <= ttft_slo for t in ttfts) / max(1, len(records)),
+        "effective_throughput": weighted / makespan,
+        "throughput": tokens / makespan,
+        "makespan": makespan,
+        "requests": len(records),
+        "completed": len(done),
+    }
 
 
 # ---------------------------------------------------------------- /metrics, as Prometheus text
@@ -130,20 +148,26 @@ class Metrics:
         self.lock = threading.Lock()
         self.outcomes: Counter[str] = Counter()
         self.tokens = {"prompt": 0, "generation": 0}
-        self.ttft = Histogram("nanoflow_time_to_first_token_seconds", "Arrival to first token.",
-                              TTFT_BUCKETS)
-        self.tbt = Histogram("nanoflow_time_between_tokens_seconds",
-                             "Gap between consecutive tokens.", TBT_BUCKETS)
+        self.ttft = Histogram(
+            "nanoflow_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.tbt = Histogram(
+            "nanoflow_time_between_tokens_seconds", "Gap between consecutive tokens.", TBT_BUCKETS
+        )
         self.scraped = False  # once true, every engine snapshot carries the buffer signal
-        self.rebuffer = Histogram("nanoflow_rebuffer_seconds", "Time a request's reader stalled "
-                                  "(docs/scheduling.md).", TTFT_BUCKETS)
+        self.rebuffer = Histogram(
+            "nanoflow_rebuffer_seconds",
+            "Time a request's reader stalled (docs/scheduling.md).",
+            TTFT_BUCKETS,
+        )
 
     def rejected(self, code: str) -> None:
         with self.lock:
             self.outcomes[code] += 1
 
-    def finished(self, reason: str, prompt_tokens: int, record: RequestRecord,
-                 rebuffer: float) -> None:
+    def finished(
+        self, reason: str, prompt_tokens: int, record: RequestRecord, rebuffer: float
+    ) -> None:
         with self.lock:
             self.outcomes[reason] += 1
             self.tokens["prompt"] += prompt_tokens
@@ -156,15 +180,23 @@ class Metrics:
 
     def render(self, stats: dict, num_queued: int, model_name: str = "nanoflow") -> str:
         with self.lock:
-            out = ["# HELP nanoflow_requests_total Requests by outcome: finish reason, or the "
-                   "error code.", "# TYPE nanoflow_requests_total counter"]
-            out += [f'nanoflow_requests_total{{outcome="{k}"}} {n}'
-                    for k, n in sorted(self.outcomes.items())]
+            out = [
+                "# HELP nanoflow_requests_total Requests by outcome: finish reason, or the "
+                "error code.",
+                "# TYPE nanoflow_requests_total counter",
+            ]
+            out += [
+                f'nanoflow_requests_total{{outcome="{k}"}} {n}'
+                for k, n in sorted(self.outcomes.items())
+            ]
             out += ["# TYPE nanoflow_tokens_total counter"]
             out += [f'nanoflow_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
-            out += ["# HELP nanoflow_queued_requests Requests without a first token (compared "
-                    "with --max-waiting).", "# TYPE nanoflow_queued_requests gauge",
-                    f"nanoflow_queued_requests {num_queued}"]
+            out += [
+                "# HELP nanoflow_queued_requests Requests without a first token (compared "
+                "with --max-waiting).",
+                "# TYPE nanoflow_queued_requests gauge",
+                f"nanoflow_queued_requests {num_queued}",
+            ]
             out += self.ttft.lines() + self.tbt.lines() + self.rebuffer.lines()
         return "\n".join(out + engine_lines(stats) + vllm_lines(stats, model_name)) + "\n"
 
@@ -190,11 +222,17 @@ def vllm_lines(stats: dict, model_name: str) -> list[str]:
     vLLM's names: a router configured for vLLM routes to nanoflow unchanged (docs/fleet.md)."""
     if "running" not in stats:
         return []
-    values = {"num_requests_waiting": stats["waiting"], "num_requests_running": stats["running"],
-              "kv_cache_usage_perc": kv_usage(stats)}
+    values = {
+        "num_requests_waiting": stats["waiting"],
+        "num_requests_running": stats["running"],
+        "kv_cache_usage_perc": kv_usage(stats),
+    }
     label = model_name.replace("\\", "\\\\").replace('"', '\\"')
-    return [line for name, value in values.items() for line in
-            (f"# TYPE vllm:{name} gauge", f'vllm:{name}{{model_name="{label}"}} {value}')]
+    return [
+        line
+        for name, value in values.items()
+        for line in (f"# TYPE vllm:{name} gauge", f'vllm:{name}{{model_name="{label}"}} {value}')
+    ]
 
 
 def kv_usage(stats: dict) -> float:

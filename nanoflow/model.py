@@ -45,8 +45,11 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": Family(qk_norm=True),
 }
 # llama.cpp's general.architecture: Mistral is converted as "llama" (with q/k rows permuted)
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 KVCache = tuple[Tensor, Tensor]  # one layer's K and V views of the paged pool
 
 # ---------------------------------------------------------------- config
@@ -139,8 +142,10 @@ class Shard:
     def check(self, cfg: ModelConfig) -> None:
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         if heads % self.size or (kv % self.size and self.size % kv):
-            raise ValueError(f"tensor_parallel_size {self.size} must divide the {heads} attention "
-                             f"heads, and divide or be a multiple of the {kv} KV heads")
+            raise ValueError(
+                f"tensor_parallel_size {self.size} must divide the {heads} attention "
+                f"heads, and divide or be a multiple of the {kv} KV heads"
+            )
 
     def spec(self, name: str, cfg: ModelConfig) -> tuple[int, slice] | None:
         """(dim, range) of checkpoint tensor `name` that this rank keeps; None: all of it."""
@@ -148,8 +153,15 @@ class Shard:
         heads, kv = self.part(cfg.num_attention_heads), self.kv_heads(cfg)
         q, k = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
         ffn, vocab = self.part(cfg.intermediate_size), self.part(cfg.vocab_size)
-        rows = {"q_proj": q, "k_proj": k, "v_proj": k, "gate_proj": ffn, "up_proj": ffn,
-                "embed_tokens": vocab, "lm_head": vocab}
+        rows = {
+            "q_proj": q,
+            "k_proj": k,
+            "v_proj": k,
+            "gate_proj": ffn,
+            "up_proj": ffn,
+            "embed_tokens": vocab,
+            "lm_head": vocab,
+        }
         columns = {"o_proj": q, "down_proj": ffn}
         module, param = name.split(".")[-2:]
         if module in rows:
@@ -234,10 +246,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=bias)
         norm = (lambda: RMSNorm(self.head_dim, cfg.rms_norm_eps)) if family.qk_norm else nn.Identity
         self.q_norm, self.k_norm = norm(), norm()
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
-                ) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
+    ) -> Tensor:
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
@@ -269,8 +282,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
-                ) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache, meta: AttnMetadata
+    ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -298,8 +312,14 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache],
-                meta: AttnMetadata, logits_indices: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[KVCache],
+        meta: AttnMetadata,
+        logits_indices: Tensor,
+    ) -> Tensor:
         """Runs the flat batch; returns fp32 logits of the rows in logits_indices only."""
         x = self.embed(input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None]
@@ -337,7 +357,7 @@ class Transformer(nn.Module):
         own = F.pad(logits, (0, per - logits.shape[1]))
         parts = None if self.shard.rank else [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0)
-        return torch.cat(parts, 1)[:, :self.config.vocab_size] if parts else own
+        return torch.cat(parts, 1)[:, : self.config.vocab_size] if parts else own
 
 
 # ---------------------------------------------------------------- weights
@@ -375,18 +395,27 @@ def load_weights(model: Transformer, state: dict[str, Tensor], dtype: torch.dtyp
         raise ValueError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected[:5])}")
     for name, p in params.items():
         if state[name].shape != p.shape:
-            raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, "
-                             f"expected {tuple(p.shape)}")
+            raise ValueError(
+                f"tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}"
+            )
         p.data = state[name].to(device=p.device, dtype=dtype)
 
 
 GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -410,8 +439,9 @@ def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor],
     import gguf
 
     reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.ggml.")}
+    meta = {
+        k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
+    }
     arch = meta["general.architecture"]
     _check_supported(arch, GGUF_ARCHITECTURES)
     weights = {t.name: t for t in reader.tensors}  # dequantized one at a time, then sliced
@@ -426,8 +456,9 @@ def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor],
         num_hidden_layers=meta[f"{arch}.block_count"],
         num_attention_heads=heads,
         num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv") or heads,
-        head_dim=meta.get(f"{arch}.attention.key_length",
-                          meta[f"{arch}.embedding_length"] // heads),
+        head_dim=meta.get(
+            f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads
+        ),
         rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
         rope_freq_factors=None if rope_freqs is None else rope_freqs.data.tolist(),  # float32
@@ -463,8 +494,9 @@ def auto_dtype(device: torch.device, checkpoint_dtype: str | None) -> torch.dtyp
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
-def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype | None,
-               shard: Shard = Shard()) -> tuple[Transformer, Tokenizer]:
+def load_model(
+    ckpt: str | Path, device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard()
+) -> tuple[Transformer, Tokenizer]:
     """A ready model and tokenizer from a checkpoint folder or GGUF file."""
     ckpt = Path(ckpt)
     ckpt_dtype = None  # a GGUF's weights are quantized: no dtype to keep

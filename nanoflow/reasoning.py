@@ -29,7 +29,7 @@ class ReasoningParser:
                 return "", ""
             opens = text.startswith(self.start)
             self.state = "reasoning" if opens else "content"
-            text = text[len(self.start):] if opens else text
+            text = text[len(self.start) :] if opens else text
         if self.state == "content":
             return "", text
         reasoning, closed, content = text.partition(self.end)
@@ -37,8 +37,8 @@ class ReasoningParser:
             self.state = "content"
             return reasoning, content
         keep = marker_start_at_end(reasoning, self.end)
-        self.held = reasoning[len(reasoning) - keep:]
-        return reasoning[:len(reasoning) - keep], ""
+        self.held = reasoning[len(reasoning) - keep :]
+        return reasoning[: len(reasoning) - keep], ""
 
     def flush(self) -> tuple[str, str]:
         """At the end: held text was not a marker after all; it stays where it was."""
@@ -48,8 +48,9 @@ class ReasoningParser:
 
 def marker_start_at_end(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (all of it excepted)."""
-    return next((n for n in range(min(len(text), len(marker) - 1), 0, -1)
-                 if text.endswith(marker[:n])), 0)
+    return next(
+        (n for n in range(min(len(text), len(marker) - 1), 0, -1) if text.endswith(marker[:n])), 0
+    )
 
 
 def split_reasoning(deltas: Iterator, name: str, prompt_tail: str) -> Iterator:

@@ -39,14 +39,19 @@ def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Te
         rows, ids, values = zip(*bias)
         index = (_tensor(logits, rows), _tensor(logits, ids))
         logits = logits.index_put(index, _tensor(logits, values), accumulate=True)
-    banned = [(i, t) for i, (r, p) in enumerate(zip(reqs, params))
-              if r.num_output_tokens < p.min_tokens for t in (*eos_token_ids, *p.stop_token_ids)]
+    banned = [
+        (i, t)
+        for i, (r, p) in enumerate(zip(reqs, params))
+        if r.num_output_tokens < p.min_tokens
+        for t in (*eos_token_ids, *p.stop_token_ids)
+    ]
     if banned:
         rows, ids = zip(*banned)
         index = (_tensor(logits, rows), _tensor(logits, ids))
         logits = logits.index_put(index, _tensor(logits, float("-inf")).expand(len(rows)))
-    penalized = [p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-                 for p in params]
+    penalized = [
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
+    ]
     if any(penalized):
         logits = _penalize(logits, reqs, penalized)
     constrained = any(p.json_schema is not None for p in params)
@@ -62,15 +67,19 @@ def _penalize(logits: Tensor, reqs: list, penalized: list[bool]) -> Tensor:
     seen = (_token_counts(logits, prompts) > 0) | (counts > 0)
     rep = _column(logits, [p.repetition_penalty for p in params])
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return (logits - _column(logits, [p.frequency_penalty for p in params]) * counts
-            - _column(logits, [p.presence_penalty for p in params]) * (counts > 0))
+    return (
+        logits
+        - _column(logits, [p.frequency_penalty for p in params]) * counts
+        - _column(logits, [p.presence_penalty for p in params]) * (counts > 0)
+    )
 
 
 def _token_counts(logits: Tensor, seqs: list[list[int]]) -> Tensor:
     """[rows, vocab]: how often each token occurs in each row's sequence (one scatter, padded)."""
     rows, vocab = logits.shape
-    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs],
-                                             batch_first=True, padding_value=vocab)
+    padded = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True, padding_value=vocab
+    )
     ids = padded.to(logits.device)
     # one column more than the vocabulary, for the padding
     counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)
@@ -110,5 +119,7 @@ def token_logprobs(logits: Tensor, tokens: list[int], num_top: int) -> list[tupl
     logprobs = logits.log_softmax(-1)
     chosen = logprobs.gather(1, _column(logits, tokens))[:, 0].tolist()
     top = logprobs.topk(num_top, -1)
-    return [(c, list(zip(ids, values)))
-            for c, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
+    return [
+        (c, list(zip(ids, values)))
+        for c, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())
+    ]

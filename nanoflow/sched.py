@@ -71,32 +71,56 @@ class SamplingParams:
         penalty = self.repetition_penalty
         check("repetition_penalty", is_num(penalty) and penalty > 0, "a number > 0")
         least = self.min_tokens
-        check("min_tokens", is_int(least) and 0 <= least <= self.max_tokens,
-              "an integer in [0, max_tokens]")
+        check(
+            "min_tokens",
+            is_int(least) and 0 <= least <= self.max_tokens,
+            "an integer in [0, max_tokens]",
+        )
         top = self.logprobs
-        check("logprobs", top is None or (is_int(top) and 0 <= top <= MAX_LOGPROBS),
-              f"None or an integer in [0, {MAX_LOGPROBS}]")
+        check(
+            "logprobs",
+            top is None or (is_int(top) and 0 <= top <= MAX_LOGPROBS),
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+        )
         self.stop_token_ids = self.stop_token_ids or []
         ids = self.stop_token_ids
-        check("stop_token_ids", isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids),
-              "a list of token ids")
+        check(
+            "stop_token_ids",
+            isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids),
+            "a list of token ids",
+        )
         bias = self.logit_bias or {}
         valid = lambda k, v: str(k).isdigit() and is_num(v) and abs(v) <= 100  # noqa: E731
-        check("logit_bias", isinstance(bias, dict) and all(valid(k, v) for k, v in bias.items()),
-              "a map from token id to a number in [-100, 100]")
+        check(
+            "logit_bias",
+            isinstance(bias, dict) and all(valid(k, v) for k, v in bias.items()),
+            "a map from token id to a number in [-100, 100]",
+        )
         self.logit_bias = {int(k): float(v) for k, v in bias.items()}  # JSON keys are strings
         seed = self.seed
-        check("seed", seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
-              "a 64-bit integer or None")
+        check(
+            "seed",
+            seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
+            "a 64-bit integer or None",
+        )
         check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
-        check("json_schema", self.json_schema is None or isinstance(self.json_schema, dict),
-              "a JSON schema (a dict) or None")
+        check(
+            "json_schema",
+            self.json_schema is None or isinstance(self.json_schema, dict),
+            "a JSON schema (a dict) or None",
+        )
         rate = self.read_rate
-        check("read_rate", rate is None or (is_num(rate) and rate > 0),
-              "a number > 0 (tokens/s) or None")
+        check(
+            "read_rate",
+            rate is None or (is_num(rate) and rate > 0),
+            "a number > 0 (tokens/s) or None",
+        )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        check("stop", isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
-              "a non-empty string or a list of them")
+        check(
+            "stop",
+            isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
+            "a non-empty string or a list of them",
+        )
         self.stop = stops
 
 
@@ -167,7 +191,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -223,9 +247,17 @@ class StepRates:
 class Scheduler:
     """The mechanism: queues, KV blocks, swap and each step's token budget; a policy decides."""
 
-    def __init__(self, kv: KVPool, max_num_seqs: int, max_num_batched_tokens: int, clock,
-                 policy: str | Policy = "tokenflow", swapper: Swapper | None = None,
-                 config: TokenFlowConfig | None = None, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        kv: KVPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock,
+        policy: str | Policy = "tokenflow",
+        swapper: Swapper | None = None,
+        config: TokenFlowConfig | None = None,
+        enable_prefix_caching: bool = True,
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv, self.swapper, self.clock = kv, swapper, clock
@@ -254,9 +286,12 @@ class Scheduler:
         horizon = getattr(self.policy, "config", TokenFlowConfig).interval
         demand = sum(r.read_rate for r in readers)
         capacity = self.policy.capacity(self, len(started), self.policy.lifetime_size(started))
-        return {"reader_demand_tokens_per_second": demand,
-                "capacity_tokens_per_second": capacity, "past_capacity": int(demand > capacity),
-                "readers_dry_soon": sum(r.dry_at < now + horizon for r in started)}
+        return {
+            "reader_demand_tokens_per_second": demand,
+            "capacity_tokens_per_second": capacity,
+            "past_capacity": int(demand > capacity),
+            "readers_dry_soon": sum(r.dry_at < now + horizon for r in started),
+        }
 
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's (request, number of new tokens), decodes first."""
@@ -342,8 +377,11 @@ class Scheduler:
         return self.kv.blocks_needed(req.block_table, req.num_tokens + 1)
 
     def resumes_by_load(self, req: Request) -> bool:
-        return (req.status == RequestStatus.PREEMPTED and req.num_host_tokens > 0
-                and self.policy.resume_by_load(self, req))
+        return (
+            req.status == RequestStatus.PREEMPTED
+            and req.num_host_tokens > 0
+            and self.policy.resume_by_load(self, req)
+        )
 
     def _resume(self, req: Request) -> None:
         if self.resumes_by_load(req):
@@ -364,7 +402,7 @@ class Scheduler:
         self.counters["prefix_queried_tokens"] += req.num_tokens
         self.counters["prefix_hit_tokens"] += req.num_computed_tokens
         if self.swapper:
-            n = self.swapper.load_prefix(req, hashes[len(blocks):], self.load_beats_recompute)
+            n = self.swapper.load_prefix(req, hashes[len(blocks) :], self.load_beats_recompute)
             self.counters["prefix_host_hit_tokens"] += n * bs
 
     def load_beats_recompute(self, num_tokens: int) -> bool:
@@ -376,7 +414,7 @@ class Scheduler:
         bs = self.kv.block_size
         for i in range(len(req.block_hashes), num_blocks):
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash((parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))))
+            req.block_hashes.append(hash((parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))))
         return req.block_hashes[:num_blocks]
 
     def _cache_full_blocks(self, req: Request) -> None:
@@ -501,8 +539,14 @@ class FCFS:
         """KV tokens reqs hold on average over the rest of their lives, summed onto start: each its
         num_tokens + num_tokens_left / 2 (clipped), inlined: a rebalance sums over 1,000s."""
         clip = self.fcfs.clip_max_new_tokens
-        return sum((len(r.token_ids) + min(r.params.max_tokens + len(r.prompt_token_ids)
-                    - len(r.token_ids), clip) / 2 for r in reqs), start)
+        return sum(
+            (
+                len(r.token_ids)
+                + min(r.params.max_tokens + len(r.prompt_token_ids) - len(r.token_ids), clip) / 2
+                for r in reqs
+            ),
+            start,
+        )
 
     def victim(self, s: Scheduler, now: float) -> Request:
         """SGLang's order: the least output, then the longest prompt (the cheapest to redo)."""
@@ -588,8 +632,9 @@ class TokenFlow(FCFS):
         self.joining = sorted((r for r in s.waiting if r in self.keep), key=urgency.get)
         return self.victims(s, now, urgency)
 
-    def victims(self, s: Scheduler, now: float,
-                urgency: dict[Request, tuple[int, float]]) -> list[Request]:
+    def victims(
+        self, s: Scheduler, now: float, urgency: dict[Request, tuple[int, float]]
+    ) -> list[Request]:
         """Step 4: running requests outside the keep-set, least urgent first, while needed."""
         joining = [r for r in self.joining if urgency[r][0] < 2]
         blocks = sum(s.blocks_to_decode(r) for r in joining) - s.kv.num_free
@@ -608,8 +653,14 @@ class TokenFlow(FCFS):
                 link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
         return out
 
-    def working_set(self, s: Scheduler, started: list[Request], size: float, capacity: float,
-                    urgency: dict[Request, tuple[int, float]]) -> list[Request]:
+    def working_set(
+        self,
+        s: Scheduler,
+        started: list[Request],
+        size: float,
+        capacity: float,
+        urgency: dict[Request, tuple[int, float]],
+    ) -> list[Request]:
         """The started requests, and newcomers while capacity and an interval's prefill last."""
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval
@@ -637,8 +688,9 @@ class TokenFlow(FCFS):
             members.append(r)
         return members
 
-    def urgency(self, s: Scheduler, req: Request, now: float, step: float | None = None
-                ) -> tuple[int, float]:
+    def urgency(
+        self, s: Scheduler, req: Request, now: float, step: float | None = None
+    ) -> tuple[int, float]:
         """Sort key, most urgent first (step 1): run dry before back, newcomers, the rest."""
         if not req.started:
             return 1, req.arrival_time
@@ -663,7 +715,7 @@ class TokenFlow(FCFS):
         growth = self.growth(s)
         room = s.kv.num_blocks
         keep = set()
-        for r in by_urgency[:s.max_num_seqs]:
+        for r in by_urgency[: s.max_num_seqs]:
             need = cdiv(r.num_tokens + min(r.num_tokens_left, growth), s.kv.block_size)
             if need > room:
                 break
@@ -711,15 +763,17 @@ class TokenFlow(FCFS):
         step = s.step_time()
         # running and resumable paused readers; one faster than a token a step holds no prompt back
         paused = (r for r in self.joining if r.status == RequestStatus.PREEMPTED)
-        readers = [r for r in itertools.chain(s.running, paused)
-                   if r.started and r.read_rate * step < 1]
+        readers = [
+            r for r in itertools.chain(s.running, paused) if r.started and r.read_rate * step < 1
+        ]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate
         cut = int(min(full, len(s.running) + prompt_tokens))
         return full if cut < full and self.prompts_outweigh_stalls(s, readers, now, step) else cut
 
-    def prompts_outweigh_stalls(self, s: Scheduler, readers: list[Request], now: float,
-                                step: float) -> bool:
+    def prompts_outweigh_stalls(
+        self, s: Scheduler, readers: list[Request], now: float, step: float
+    ) -> bool:
         """Would a whole budget of prompts now save the newcomers more lateness than it costs the
         readers? A second's wait makes each token a request has still to stream a second late
         (Andes' QoE); a reader's stall counts stall_weight times. Held back, the chunk goes in free
@@ -731,7 +785,7 @@ class TokenFlow(FCFS):
             return False
         room = s.max_num_batched_tokens - len(s.running)
         prompts = list(itertools.accumulate(r.num_new_tokens for r in newcomers))
-        served = newcomers[:max(1, sum(n <= room for n in prompts))]
+        served = newcomers[: max(1, sum(n <= room for n in prompts))]
         chunk = min(prompts[-1], room) / s.rates.prefill_rate
         stall = wait = 0.0
         for r in [r for r in readers if r.dry_at < now + chunk + step]:  # those the chunk stalls
@@ -765,8 +819,11 @@ class TokenFlow(FCFS):
 
     def admission_queue(self, s: Scheduler, now: float) -> Iterable[Request]:
         """The baseline's queue less those preempted within an interval (until a rebalance)."""
-        return (r for r in s.waiting
-                if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval)
+        return (
+            r
+            for r in s.waiting
+            if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval
+        )
 
     def resume_by_load(self, s: Scheduler, req: Request) -> bool:
         return s.load_beats_recompute(req.num_host_tokens)

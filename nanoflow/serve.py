@@ -59,19 +59,42 @@ MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
 # an event stream's headers (X-Accel-Buffering: nginx passes each chunk on at once)
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no", "Connection": "close"}
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+    "Connection": "close",
+}
 # the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint,
 # `json_schema` comes from response_format or tool_choice
-SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)
-                   if f.name not in ("max_tokens", "logprobs", "json_schema")]
+SAMPLING_FIELDS = [
+    f.name
+    for f in fields(SamplingParams)
+    if f.name not in ("max_tokens", "logprobs", "json_schema")
+]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or this neutral value
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "functions": [], "function_call": "none"}
 # every other field of a body: unknown, ignored with a warning (as vLLM does)
-KNOWN_FIELDS = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens",
-                "max_completion_tokens", "n", "logprobs", "top_logprobs", "user", *SAMPLING_FIELDS,
-                "chat_template_kwargs", *UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls",
-                "response_format"}
+KNOWN_FIELDS = {
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    *SAMPLING_FIELDS,
+    "chat_template_kwargs",
+    *UNSUPPORTED,
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+}
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
 PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
 ANTHROPIC_PATH = "/v1/messages"  # it, and the paths below it, answer errors in Anthropic's shape
@@ -81,8 +104,9 @@ OPEN_PATHS = ("/health", "/")  # keyless: load balancers probe /health; the page
 class HTTPError(Exception):
     """An error answered as OpenAI does: a status and {"error": {"message", "type", "code"}}."""
 
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
@@ -139,7 +163,7 @@ def stream_text(req: Request) -> str:
     if req.is_finished or not req.params.stop:
         return req.output_text
     hold = max(len(s) for s in req.params.stop) - 1
-    return req.output_text[:max(0, len(req.output_text) - hold)]
+    return req.output_text[: max(0, len(req.output_text) - hold)]
 
 
 class EngineLoop(threading.Thread):
@@ -158,8 +182,9 @@ class EngineLoop(threading.Thread):
         self.choices: dict[str, Choice] = {}
         self.snapshot = engine.stats()
 
-    def submit(self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
-               tag: str) -> queue.Queue:
+    def submit(
+        self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams], tag: str
+    ) -> queue.Queue:
         """Queue a checked request's choices; their deltas will arrive on the returned queue."""
         deltas: queue.Queue = queue.Queue()
         with self.lock:
@@ -167,8 +192,12 @@ class EngineLoop(threading.Thread):
                 raise HTTPError(503, "the server is shutting down")
             retry = self.retry_after(len(prompt_ids), params[0].max_tokens)
             if retry:
-                raise HTTPError(503, f"{self.num_queued} requests are already waiting; retry "
-                                f"in {retry} s", "overloaded", {"Retry-After": str(retry)})
+                raise HTTPError(
+                    503,
+                    f"{self.num_queued} requests are already waiting; retry in {retry} s",
+                    "overloaded",
+                    {"Retry-After": str(retry)},
+                )
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
                 choice = Choice(deltas, i, tag)
@@ -229,8 +258,9 @@ class EngineLoop(threading.Thread):
             self.live.observe([], fresh=True)  # viewers see new requests before a long step
         return True
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-             choice: Choice) -> None:
+    def _add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, choice: Choice
+    ) -> None:
         try:
             choice.request = self.engine.add_request(prompt_ids, params, request_id)
         except Exception as e:
@@ -256,8 +286,15 @@ class EngineLoop(threading.Thread):
         text = stream_text(req)
         sent = choice.sent_tokens
         logprobs = list(zip(req.output_token_ids[sent:], req.logprobs[sent:]))
-        delta = ChoiceDelta(choice.index, text[choice.sent:], logprobs, req.finish_reason,
-                            req.num_output_tokens, error, stop_reason=req.stop_reason)
+        delta = ChoiceDelta(
+            choice.index,
+            text[choice.sent :],
+            logprobs,
+            req.finish_reason,
+            req.num_output_tokens,
+            error,
+            stop_reason=req.stop_reason,
+        )
         choice.sent = len(text)
         choice.sent_tokens = req.num_output_tokens
         if choice.queued and (req.num_output_tokens > 0 or req.is_finished):
@@ -278,9 +315,16 @@ class EngineLoop(threading.Thread):
         rebuffer = rebuffer_time(record.token_times, record.rate)
         self.metrics.finished(req.finish_reason, len(req.prompt_token_ids), record, rebuffer)
         ttft = f"{record.ttft:.3f}s" if record.token_times else "-"
-        log.info("%s %s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s", tag,
-                 req.request_id, len(req.prompt_token_ids), req.num_output_tokens, ttft, rebuffer,
-                 req.finish_reason)
+        log.info(
+            "%s %s prompt=%d output=%d ttft=%s rebuffer=%.3fs finish=%s",
+            tag,
+            req.request_id,
+            len(req.prompt_token_ids),
+            req.num_output_tokens,
+            ttft,
+            rebuffer,
+            req.finish_reason,
+        )
 
 
 # ---------------------------------------------------------------- a body's checks: OpenAI to engine
@@ -290,8 +334,12 @@ def check_fields(body: dict, request_id: str) -> None:
     """Unsupported OpenAI parameters are a 400; fields nobody knows are ignored, with a warning."""
     for name, neutral in UNSUPPORTED.items():
         if body.get(name) not in (None, neutral):
-            raise HTTPError(400, f"nanoflow does not support `{name}`; leave it out or set it to "
-                                 f"{json.dumps(neutral)}", "unsupported_parameter")
+            raise HTTPError(
+                400,
+                f"nanoflow does not support `{name}`; leave it out or set it to "
+                f"{json.dumps(neutral)}",
+                "unsupported_parameter",
+            )
     if unknown := sorted(body.keys() - KNOWN_FIELDS):
         log.warning("%s: ignoring unknown fields %s", request_id, ", ".join(unknown))
 
@@ -352,8 +400,9 @@ def prompt_of(body: dict, tokenizer, chat: bool, tools: ToolRequest | None = Non
         raise HTTPError(400, f"cannot apply the chat template: {e}") from None
 
 
-def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolRequest | None,
-                                                                      dict | None]:
+def constraints(
+    body: dict, template: str | None, chat: bool
+) -> tuple[ToolRequest | None, dict | None]:
     """The request's tools and the JSON schema its output must follow (grammar.py, tools.py)."""
     if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
         raise HTTPError(400, "`tools` need /v1/chat/completions")
@@ -362,13 +411,15 @@ def constraints(body: dict, template: str | None, chat: bool) -> tuple[ToolReque
         schema = response_format_schema(body.get("response_format"))
     forced = tools.json_schema() if tools else None
     if forced is not None and schema is not None:
-        raise HTTPError(400, "`response_format` and a forced `tool_choice` both constrain the "
-                             "output; send one")
+        raise HTTPError(
+            400, "`response_format` and a forced `tool_choice` both constrain the output; send one"
+        )
     return tools, schema if forced is None else forced
 
 
-def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
-                    chat: bool) -> list[SamplingParams]:
+def sampling_params(
+    body: dict, ids: list[int], engine: Engine, defaults: dict, chat: bool
+) -> list[SamplingParams]:
     """Each choice's SamplingParams, the body's over the defaults, checked: the engine trusts it."""
     given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
@@ -381,8 +432,12 @@ def sampling_params(body: dict, ids: list[int], engine: Engine, defaults: dict,
     except ValueError as e:
         raise HTTPError(400, str(e).removeprefix("SamplingParams.")) from None
     if params.max_tokens > room:
-        raise HTTPError(400, f"{len(ids)} prompt tokens in a {engine.max_model_len}-token context: "
-                             f"max_tokens can be {room} at most", "context_length_exceeded")
+        raise HTTPError(
+            400,
+            f"{len(ids)} prompt tokens in a {engine.max_model_len}-token context: "
+            f"max_tokens can be {room} at most",
+            "context_length_exceeded",
+        )
     return per_choice_params(body, params)
 
 
@@ -429,11 +484,18 @@ class Reply:
         chat_kind = "chat.completion" if whole else "chat.completion.chunk"
         if self.include_usage and not whole:  # a chunk's usage is null, but for the last one
             extra.setdefault("usage", None)
-        return {"id": self.id, "object": chat_kind if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": chat_kind if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
-    def _choice(self, index: int, finish_reason: str | None = None, logprobs: list | None = None,
-                **content) -> dict:
+    def _choice(
+        self, index: int, finish_reason: str | None = None, logprobs: list | None = None, **content
+    ) -> dict:
         if logprobs is None:
             shaped = None
         elif self.chat:
@@ -473,8 +535,11 @@ class Reply:
 
     def _usage(self, deltas: list[ChoiceDelta]) -> dict:
         completion = sum(e.completion_tokens for e in deltas if e.finish_reason)
-        return {"prompt_tokens": self.num_prompt, "completion_tokens": completion,
-                "total_tokens": self.num_prompt + completion}
+        return {
+            "prompt_tokens": self.num_prompt,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt + completion,
+        }
 
     def whole(self, deltas: list[ChoiceDelta]) -> dict:
         """Each choice from its deltas: text and logprobs joined, the last one's finish reason."""
@@ -498,20 +563,27 @@ class Reply:
 
 def chat_logprobs(tokens: list, tokenizer) -> dict:
     """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in top]}
-                        for t, (lp, top) in tokens]}
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(*a) for a in top]} for t, (lp, top) in tokens
+        ]
+    }
 
 
 def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
     """OpenAI's completions shape: lists of tokens, their logprobs, top alternatives, offsets."""
     texts = [tokenizer.decode([t]) for t, _ in tokens]
-    return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in tokens],
-            "top_logprobs": [{tokenizer.decode([i]): v for i, v in top} for _, (_, top) in tokens],
-            "text_offset": list(itertools.accumulate(map(len, texts), initial=start))[:-1]}
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp for _, (lp, _) in tokens],
+        "top_logprobs": [{tokenizer.decode([i]): v for i, v in top} for _, (_, top) in tokens],
+        "text_offset": list(itertools.accumulate(map(len, texts), initial=start))[:-1],
+    }
 
 
 def chunks(reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> Iterator[dict]:
@@ -596,8 +668,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != method:
             raise HTTPError(405, f"{path} takes {method}", headers={"Allow": method})
         if self.server.engine is None and path != "/health":
-            raise HTTPError(503, "the model is still loading",
-                            headers={"Retry-After": str(LOADING_RETRY_S)})
+            raise HTTPError(
+                503, "the model is still loading", headers={"Retry-After": str(LOADING_RETRY_S)}
+            )
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = _dispatch
 
@@ -614,9 +687,11 @@ class Handler(BaseHTTPRequestHandler):
         if not self._allowed_origin():
             return {}
         asked = self.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
-        return {"Access-Control-Allow-Methods": f"{method}, OPTIONS",
-                "Access-Control-Allow-Headers": asked,
-                "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)}
+        return {
+            "Access-Control-Allow-Methods": f"{method}, OPTIONS",
+            "Access-Control-Allow-Headers": asked,
+            "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
+        }
 
     def end_headers(self) -> None:
         """Every response names the request it answers; an allowed origin is told it may read it."""
@@ -683,8 +758,15 @@ class Handler(BaseHTTPRequestHandler):
         ids = prompt_of(body, engine.tokenizer, chat="messages" in body)
         vocab = engine.tokenizer.tk
         strs = [vocab.id_to_token(t) for t in ids] if flag(body, "return_token_strs") else None
-        self._send_json(200, {"count": len(ids), "max_model_len": engine.max_model_len,
-                              "tokens": ids, "token_strs": strs})
+        self._send_json(
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": engine.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            },
+        )
 
     def detokenize(self) -> None:
         tokens = self._read_json().get("tokens")
@@ -710,13 +792,22 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, "`stream_options` must be an object")
         # a whole chat answer has its usage anyway; a translation reads it from the chunks
         include_usage = flag(options, "include_usage")
-        params = sampling_params(body, ids, server.engine, {**server.defaults,
-                                                            "json_schema": schema}, chat)
+        params = sampling_params(
+            body, ids, server.engine, {**server.defaults, "json_schema": schema}, chat
+        )
         model = body["model"] if body.get("model") in server.model_names else server.model_names[0]
         reasoning = server.reasoning_parser if chat else None
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
-                      server.engine.tokenizer, len(ids), params[0].logprobs is not None,
-                      include_usage, bool(reasoning), tools)
+        reply = Reply(
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            model,
+            chat,
+            server.engine.tokenizer,
+            len(ids),
+            params[0].logprobs is not None,
+            include_usage,
+            bool(reasoning),
+            tools,
+        )
         n = len(params)
         request_ids = [reply.id] if n == 1 else [f"{reply.id}-{i}" for i in range(n)]
         with server.in_flight():
@@ -829,10 +920,13 @@ class Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _send(self, status: int, data: bytes, content_type: str | None,
-              headers: dict | None = None) -> None:
-        self._start(status, {"Content-Type": content_type, "Content-Length": str(len(data)),
-                             **(headers or {})})
+    def _send(
+        self, status: int, data: bytes, content_type: str | None, headers: dict | None = None
+    ) -> None:
+        self._start(
+            status,
+            {"Content-Type": content_type, "Content-Length": str(len(data)), **(headers or {})},
+        )
         self.wfile.write(data)
 
     def _start(self, status: int, headers: dict) -> None:
@@ -858,15 +952,21 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s " + format, self.request_id, self.address_string(), *args)
 
 
-ROUTES = {"/v1/chat/completions": ("POST", Handler.chat_completions),
-          "/v1/completions": ("POST", Handler.completions), "/v1/models": ("GET", Handler.models),
-          "/tokenize": ("POST", Handler.tokenize), "/detokenize": ("POST", Handler.detokenize),
-          "/health": ("GET", Handler.health), "/metrics": ("GET", Handler.metrics),
-          "/": ("GET", Handler.live_page), "/v1/engine/events": ("GET", Handler.engine_events),
-          "/v1/engine/burst": ("POST", Handler.engine_burst),
-          ANTHROPIC_PATH: ("POST", Handler.anthropic_messages),
-          "/v1/messages/count_tokens": ("POST", Handler.count_tokens),
-          "/v1/responses": ("POST", Handler.openai_responses)}
+ROUTES = {
+    "/v1/chat/completions": ("POST", Handler.chat_completions),
+    "/v1/completions": ("POST", Handler.completions),
+    "/v1/models": ("GET", Handler.models),
+    "/tokenize": ("POST", Handler.tokenize),
+    "/detokenize": ("POST", Handler.detokenize),
+    "/health": ("GET", Handler.health),
+    "/metrics": ("GET", Handler.metrics),
+    "/": ("GET", Handler.live_page),
+    "/v1/engine/events": ("GET", Handler.engine_events),
+    "/v1/engine/burst": ("POST", Handler.engine_burst),
+    ANTHROPIC_PATH: ("POST", Handler.anthropic_messages),
+    "/v1/messages/count_tokens": ("POST", Handler.count_tokens),
+    "/v1/responses": ("POST", Handler.openai_responses),
+}
 
 
 def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
@@ -884,13 +984,23 @@ class Server(ThreadingHTTPServer):
 
     request_queue_size = 128  # listen backlog: a burst of clients connects at once (default: 5)
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *,
-                 model: str | list[str] = DEMO_MODEL_ID, api_key: str | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING, allowed_origins: list[str] = (),
-                 generation_config: dict | None = None, reasoning_parser: str | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        model: str | list[str] = DEMO_MODEL_ID,
+        api_key: str | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        allowed_origins: list[str] = (),
+        generation_config: dict | None = None,
+        reasoning_parser: str | None = None,
+    ):
         if reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
-                             f"{', '.join(REASONING_PARSERS)}")
+            raise ValueError(
+                f"unknown reasoning parser {reasoning_parser!r}; known: "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
         super().__init__((host, port), Handler)
         self.reasoning_parser = reasoning_parser
         self.model_names = [model] if isinstance(model, str) else list(model)
@@ -979,28 +1089,58 @@ def json_object(text: str) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m nanoflow.serve", description="An OpenAI-compatible "
-                                f"server: {', '.join(ROUTES)} (/ watches the engine live).")
+    p = argparse.ArgumentParser(
+        prog="python -m nanoflow.serve",
+        description="An OpenAI-compatible "
+        f"server: {', '.join(ROUTES)} (/ watches the engine live).",
+    )
     arg = p.add_argument
     arg("--ckpt", help=f"safetensors folder or .gguf file (default: {DEMO_MODEL_ID}, downloaded)")
     arg("--host", default="127.0.0.1", help="0.0.0.0: every interface (default: %(default)s)")
     arg("--port", type=int, default=8000, help="0: any free (default: %(default)s)")
-    arg("--served-model-name", nargs="+", metavar="NAME", help="the model's names in the API, the "
-        "first in answers (default: the checkpoint's name)")
+    arg(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model's names in the API, the first in answers (default: the checkpoint's name)",
+    )
     arg("--chat-template", type=Path, metavar="FILE", help="jinja2 template, not the model's own")
     EngineConfig.add_flags(p)
-    arg("--override-generation-config", type=json_object, default={}, metavar="JSON",
-        help="""sampling defaults over generation_config.json's, e.g. '{"temperature": 0.7}'""")
-    arg("--reasoning-parser", choices=list(REASONING_PARSERS), help="return a thinking model's "
-        "<think>...</think> apart, as reasoning_content (default: off, all in content)")
+    arg(
+        "--override-generation-config",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="""sampling defaults over generation_config.json's, e.g. '{"temperature": 0.7}'""",
+    )
+    arg(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="return a thinking model's "
+        "<think>...</think> apart, as reasoning_content (default: off, all in content)",
+    )
     arg("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
-    arg("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="browser origins that "
-        "may call the API (CORS), e.g. http://localhost:3000, or *")
-    arg("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests without a first "
+    arg(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins that may call the API (CORS), e.g. http://localhost:3000, or *",
+    )
+    arg(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests without a first "
         f"token (beyond those it starts within {START_BOUND_S:g} s) past which new ones get 503 "
-        "with a Retry-After from the measured rates (default: %(default)s)")
-    arg("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, help="on SIGTERM, seconds "
-        "in-flight requests may take to finish (default: %(default)s)")
+        "with a Retry-After from the measured rates (default: %(default)s)",
+    )
+    arg(
+        "--shutdown-timeout",
+        type=float,
+        default=SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds in-flight requests may take to finish (default: %(default)s)",
+    )
     arg("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -1012,10 +1152,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nanoflow").setLevel(args.log_level.upper())
     names = args.served_model_name or [model_id(args.ckpt)]
-    server = make_server(None, args.host, args.port, model=names, api_key=args.api_key,
-                         max_waiting=args.max_waiting, allowed_origins=args.allowed_origins,
-                         generation_config=args.override_generation_config,
-                         reasoning_parser=args.reasoning_parser).start()
+    server = make_server(
+        None,
+        args.host,
+        args.port,
+        model=names,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        allowed_origins=args.allowed_origins,
+        generation_config=args.override_generation_config,
+        reasoning_parser=args.reasoning_parser,
+    ).start()
     print(f"nanoflow: loading {names[0]} at {server.url}/v1", flush=True)
     llm = LLM(args.ckpt, **EngineConfig.flag_values(args))
     if args.chat_template:
@@ -1026,8 +1173,11 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     print(f"nanoflow: serving {names[0]} at {server.url}/v1", flush=True)
     stop.wait()
-    log.info("shutting down: %d requests in flight may finish within %ss", server.num_in_flight,
-             args.shutdown_timeout)
+    log.info(
+        "shutting down: %d requests in flight may finish within %ss",
+        server.num_in_flight,
+        args.shutdown_timeout,
+    )
     finished, cut = server.shutdown(args.shutdown_timeout)
     log.info("shut down: %d requests finished, %d cut", finished, cut)
     dist.shutdown()

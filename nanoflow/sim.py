@@ -69,23 +69,43 @@ class CostModel:
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
         memory = f"{ms(self.weights_read_s)} + kv_tokens x {self.per_kv_token_s * 1e9:.3g} ns"
-        compute = (f"prefill_tokens x {ms(self.per_prefill_token_s)} + "
-                   f"decodes x {ms(self.per_decode_seq_s)}")
+        compute = (
+            f"prefill_tokens x {ms(self.per_prefill_token_s)} + "
+            f"decodes x {ms(self.per_decode_seq_s)}"
+        )
         if self.per_attended_token_s:
             compute += f" + kv_tokens x {self.per_attended_token_s * 1e9:.3g} ns"
         pools = f"{self.num_kv_blocks} device + {self.num_host_blocks} host blocks"
-        line = (f"preset {self.name}: step = {ms(self.overhead_s)} + max({memory}, {compute}); "
-                f"host link {self.link_bytes_per_s / 1e9:.3g} GB/s; KV {pools} of "
-                f"{self.block_size} tokens")
+        line = (
+            f"preset {self.name}: step = {ms(self.overhead_s)} + max({memory}, {compute}); "
+            f"host link {self.link_bytes_per_s / 1e9:.3g} GB/s; KV {pools} of "
+            f"{self.block_size} tokens"
+        )
         return "\n".join([line] + [f"  - {n}" for n in self.notes])
 
 
-LLAMA3_8B = ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
-SMOLLM2_135M = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576,
-                           intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                           num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+LLAMA3_8B = ModelConfig(
+    "LlamaForCausalLM",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+)
+SMOLLM2_135M = ModelConfig(
+    "LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -99,33 +119,63 @@ def h200_llama3_8b() -> CostModel:
     # the paper's 0.3 memory fraction, less the weights and ~2 GB of activations
     kv_budget = 141e9 * 0.3 - weights - 2e9
     return CostModel(
-        "h200-llama3-8b", LLAMA3_8B, kv_token,
-        overhead_s=1.5e-3, weights_read_s=weights / hbm, per_kv_token_s=kv_token / hbm,
-        per_prefill_token_s=2 * 8.03e9 / flops, per_decode_seq_s=2 * 8.03e9 / flops,
-        link_bytes_per_s=link, num_kv_blocks=int(kv_budget // (16 * kv_token)),
+        "h200-llama3-8b",
+        LLAMA3_8B,
+        kv_token,
+        overhead_s=1.5e-3,
+        weights_read_s=weights / hbm,
+        per_kv_token_s=kv_token / hbm,
+        per_prefill_token_s=2 * 8.03e9 / flops,
+        per_decode_seq_s=2 * 8.03e9 / flops,
+        link_bytes_per_s=link,
+        num_kv_blocks=int(kv_budget // (16 * kv_token)),
         num_host_blocks=int(100e9 // (16 * kv_token)),
-        notes=["HBM 4.3 TB/s: the H200's measured device copy rate; 16.06 GB of weights read once "
-               "per step", "790 TFLOP/s: measured dense bf16 matmul rate; 2 x 8.03e9 FLOP/token",
-               "KV 128 KiB/token (32 layers x K,V x 8 heads x 128 x bf16), read once per step",
-               "KV pool: 0.3 x 141 GB - weights - 2 GB activations (the paper's memory fraction)",
-               "host link 50 GB/s: PCIe Gen5 x16 with pinned memory (assumed, ~80% of 64 GB/s); "
-               "host KV 100 GB", "1.5 ms per step for scheduling, launches and sampling (assumed)"])
+        notes=[
+            "HBM 4.3 TB/s: the H200's measured device copy rate; 16.06 GB of weights read once "
+            "per step",
+            "790 TFLOP/s: measured dense bf16 matmul rate; 2 x 8.03e9 FLOP/token",
+            "KV 128 KiB/token (32 layers x K,V x 8 heads x 128 x bf16), read once per step",
+            "KV pool: 0.3 x 141 GB - weights - 2 GB activations (the paper's memory fraction)",
+            "host link 50 GB/s: PCIe Gen5 x16 with pinned memory (assumed, ~80% of 64 GB/s); "
+            "host KV 100 GB",
+            "1.5 ms per step for scheduling, launches and sampling (assumed)",
+        ],
+    )
 
 
 def cpu_smollm2() -> CostModel:
     return CostModel(
-        "cpu-smollm2", SMOLLM2_135M, kv_bytes_per_token(SMOLLM2_135M, torch.float32),
-        overhead_s=0.050, weights_read_s=0.0, per_kv_token_s=0.0,
-        per_prefill_token_s=1.7e-3, per_decode_seq_s=4.7e-3, link_bytes_per_s=5e9,
-        num_kv_blocks=256, num_host_blocks=4096, async_copies=False,
-        notes=["fitted to the real engine, fp32 demo model, 2-core machine (AMD EPYC, 2026-11):",
-               "decode step 56 ms at 1 request, 126 ms at 16; a 2048-token prefill step 3.45 s",
-               "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits"])
+        "cpu-smollm2",
+        SMOLLM2_135M,
+        kv_bytes_per_token(SMOLLM2_135M, torch.float32),
+        overhead_s=0.050,
+        weights_read_s=0.0,
+        per_kv_token_s=0.0,
+        per_prefill_token_s=1.7e-3,
+        per_decode_seq_s=4.7e-3,
+        link_bytes_per_s=5e9,
+        num_kv_blocks=256,
+        num_host_blocks=4096,
+        async_copies=False,
+        notes=[
+            "fitted to the real engine, fp32 demo model, 2-core machine (AMD EPYC, 2026-11):",
+            "decode step 56 ms at 1 request, 126 ms at 16; a 2048-token prefill step 3.45 s",
+            "host link 5 GB/s: memcpy between two CPU buffers; `bench.py --calibrate` refits",
+        ],
+    )
 
 
-QWEN25_32B = ModelConfig("qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                         head_dim=128, max_position_embeddings=32768)
+QWEN25_32B = ModelConfig(
+    "qwen2",
+    vocab_size=152064,
+    hidden_size=5120,
+    intermediate_size=27648,
+    num_hidden_layers=64,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=32768,
+)
 ALLREDUCE_LATENCY_S = 20e-6  # per all-reduce over PCIe (assumed): two per layer, 128 per step
 
 
@@ -138,21 +188,33 @@ def tp_qwen32b(card: str, gpus: int, memory: float, hbm: float, flops: float, bu
     hidden_bytes = QWEN25_32B.hidden_size * 2
     per_token = 2 * params / gpus / flops + 4 * layers * (gpus - 1) / gpus * hidden_bytes / bus
     return CostModel(
-        f"{gpus}x{card}-qwen2.5-32b", QWEN25_32B, kv_token,
-        overhead_s=1.5e-3 + 2 * layers * ALLREDUCE_LATENCY_S, weights_read_s=weights / hbm,
-        per_kv_token_s=kv_token / hbm, per_prefill_token_s=per_token, per_decode_seq_s=per_token,
-        link_bytes_per_s=link, num_kv_blocks=int((memory * 0.9 - weights - 2e9) // (16 * kv_token)),
+        f"{gpus}x{card}-qwen2.5-32b",
+        QWEN25_32B,
+        kv_token,
+        overhead_s=1.5e-3 + 2 * layers * ALLREDUCE_LATENCY_S,
+        weights_read_s=weights / hbm,
+        per_kv_token_s=kv_token / hbm,
+        per_prefill_token_s=per_token,
+        per_decode_seq_s=per_token,
+        link_bytes_per_s=link,
+        num_kv_blocks=int((memory * 0.9 - weights - 2e9) // (16 * kv_token)),
         num_host_blocks=int(64e9 / gpus // (16 * kv_token)),
-        notes=[f"{memory / 1e9:.0f} GB, {hbm / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s per GPU "
-               "(spec sheets, no efficiency factor); 65 GB of weights, 1/N per rank",
-               f"all-reduce {bus / 1e9:.0f} GB/s, {ALLREDUCE_LATENCY_S * 1e6:.0f} us (assumed), "
-               "not overlapped; KV pool: 0.9 x memory - weights - 2 GB; host link 25 GB/s"])
+        notes=[
+            f"{memory / 1e9:.0f} GB, {hbm / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s per GPU "
+            "(spec sheets, no efficiency factor); 65 GB of weights, 1/N per rank",
+            f"all-reduce {bus / 1e9:.0f} GB/s, {ALLREDUCE_LATENCY_S * 1e6:.0f} us (assumed), "
+            "not overlapped; KV pool: 0.9 x memory - weights - 2 GB; host link 25 GB/s",
+        ],
+    )
 
 
-PRESETS = {"h200-llama3-8b": h200_llama3_8b, "cpu-smollm2": cpu_smollm2,
-           # A6000 pairs over PCIe Gen4; 4090s: half-rate fp32 accumulation, no peer-to-peer
-           "2xa6000-qwen2.5-32b": lambda: tp_qwen32b("a6000", 2, 48e9, 768e9, 154.8e12, 20e9),
-           "4x4090-qwen2.5-32b": lambda: tp_qwen32b("4090", 4, 24e9, 1008e9, 82.6e12, 10e9)}
+PRESETS = {
+    "h200-llama3-8b": h200_llama3_8b,
+    "cpu-smollm2": cpu_smollm2,
+    # A6000 pairs over PCIe Gen4; 4090s: half-rate fp32 accumulation, no peer-to-peer
+    "2xa6000-qwen2.5-32b": lambda: tp_qwen32b("a6000", 2, 48e9, 768e9, 154.8e12, 20e9),
+    "4x4090-qwen2.5-32b": lambda: tp_qwen32b("4090", 4, 24e9, 1008e9, 82.6e12, 10e9),
+}
 
 
 class _NoText:
@@ -182,8 +244,14 @@ class SimSwapper(Swapper):
     in order; the link is full duplex); the books are Swapper's. Blocks being copied return to
     their pool, and loaded requests may run, once their copy is done."""
 
-    def __init__(self, device: KVPool, host: KVPool, clock: VirtualClock, link_bytes_per_s: float,
-                 async_copies: bool = True):
+    def __init__(
+        self,
+        device: KVPool,
+        host: KVPool,
+        clock: VirtualClock,
+        link_bytes_per_s: float,
+        async_copies: bool = True,
+    ):
         self.device, self.host, self.clock = device, host, clock
         self.block_bytes, self.bandwidth = device.bytes_per_block, link_bytes_per_s
         self.out, self.back = Lane(None, []), Lane(None, [])  # never in flight: time is modelled
@@ -232,8 +300,14 @@ class ChargedScheduler(Scheduler):
 class SimEngine(Engine):
     """The engine with the forward replaced by the cost model."""
 
-    def __init__(self, cost: CostModel, scheduler: Scheduler, read_rate: float,
-                 jitter: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        cost: CostModel,
+        scheduler: Scheduler,
+        read_rate: float,
+        jitter: float = 0.0,
+        seed: int = 0,
+    ):
         super().__init__(None, cost.model, _NoText(), scheduler, read_rate)
         self.cost = cost
         self.jitter, self.rng = jitter, random.Random(seed)
@@ -261,11 +335,18 @@ def _pool(num_blocks: int, block_size: int, bytes_per_block: int, host: bool) ->
     return pool
 
 
-def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float = 8.0,
-                 num_kv_blocks: int | None = None, tokenflow: TokenFlowConfig | None = None,
-                 charge_scheduler: bool = True, host_kv_gb: float | None = None,
-                 enable_prefix_caching: bool = True, jitter: float = 0.0, seed: int = 0
-                 ) -> SimEngine:
+def build_engine(
+    preset: str | CostModel,
+    policy: str | Policy,
+    read_rate: float = 8.0,
+    num_kv_blocks: int | None = None,
+    tokenflow: TokenFlowConfig | None = None,
+    charge_scheduler: bool = True,
+    host_kv_gb: float | None = None,
+    enable_prefix_caching: bool = True,
+    jitter: float = 0.0,
+    seed: int = 0,
+) -> SimEngine:
     """A simulated engine; charge_scheduler=False leaves the scheduler's own time out (runs repeat
     exactly). host_kv_gb (GiB) replaces the preset's host pool. jitter: each step's time is scaled
     by a factor drawn uniformly from [1 - jitter, 1 + jitter] (a generator seeded by seed)."""
@@ -281,13 +362,21 @@ def build_engine(preset: str | CostModel, policy: str | Policy, read_rate: float
         host = _pool(host_blocks, cost.block_size, block_bytes, host=True)
         swapper = SimSwapper(device, host, clock, cost.link_bytes_per_s, cost.async_copies)
     scheduler = (ChargedScheduler if charge_scheduler else Scheduler)(
-        device, cost.max_num_seqs, cost.max_num_batched_tokens, clock, policy, swapper, tokenflow,
-        enable_prefix_caching)
+        device,
+        cost.max_num_seqs,
+        cost.max_num_batched_tokens,
+        clock,
+        policy,
+        swapper,
+        tokenflow,
+        enable_prefix_caching,
+    )
     return SimEngine(cost, scheduler, read_rate, jitter, seed)
 
 
-def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), contexts=(128, 512),
-              decode_steps: int = 8) -> CostModel:
+def calibrate(
+    llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), contexts=(128, 512), decode_steps: int = 8
+) -> CostModel:
     """Fit the cpu-smollm2 form to the real engine's steps: overhead + prompt tokens + decoding
     requests + KV tokens attended (decodes at two context lengths tell the last two apart)."""
     engine, rows = llm.engine, []
@@ -318,9 +407,15 @@ def calibrate(llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), contexts=(12
     x = torch.tensor([[1.0, p, d, kv] for p, d, kv, _ in rows], dtype=torch.float64)
     y = torch.tensor([[t] for *_, t in rows], dtype=torch.float64)
     fit = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
-    return replace(cpu_smollm2(), name="calibrated", model=engine.config,
-                   kv_bytes_per_token=engine.kv.bytes_per_block // engine.kv.block_size,
-                   num_kv_blocks=engine.kv.num_blocks, overhead_s=fit[0],
-                   per_prefill_token_s=fit[1], per_decode_seq_s=fit[2],
-                   per_attended_token_s=fit[3],
-                   notes=[f"least squares over {len(rows)} measured steps of this engine here"])
+    return replace(
+        cpu_smollm2(),
+        name="calibrated",
+        model=engine.config,
+        kv_bytes_per_token=engine.kv.bytes_per_block // engine.kv.block_size,
+        num_kv_blocks=engine.kv.num_blocks,
+        overhead_s=fit[0],
+        per_prefill_token_s=fit[1],
+        per_decode_seq_s=fit[2],
+        per_attended_token_s=fit[3],
+        notes=[f"least squares over {len(rows)} measured steps of this engine here"],
+    )

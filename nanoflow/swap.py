@@ -78,9 +78,13 @@ class Swapper:
 
     def _lane(self, cache: torch.Tensor) -> Lane:
         shape = (self.chunk_blocks, *cache.shape[1:])
-        staging = [(torch.empty(shape, dtype=cache.dtype, device=cache.device),
-                    torch.empty(shape, dtype=cache.dtype, pin_memory=self.on_cuda))
-                   for _ in range(2)]
+        staging = [
+            (
+                torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                torch.empty(shape, dtype=cache.dtype, pin_memory=self.on_cuda),
+            )
+            for _ in range(2)
+        ]
         return Lane(torch.cuda.Stream(cache.device) if self.on_cuda else None, staging)
 
     def link_tiers(self) -> None:
@@ -189,8 +193,10 @@ class Swapper:
 
     def backlog(self, lane: Lane | None = None) -> float:
         """Estimated seconds until the copies issued so far (on one lane, or both) are done."""
-        return max(x.queued_bytes for x in ([lane] if lane else [self.out, self.back])) / \
-            self.bandwidth
+        return (
+            max(x.queued_bytes for x in ([lane] if lane else [self.out, self.back]))
+            / self.bandwidth
+        )
 
     def transfer_time(self, num_blocks: int) -> float:
         return num_blocks * self.block_bytes / self.bandwidth
@@ -228,7 +234,7 @@ class Swapper:
 
     def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
         for lo in range(0, len(dev_ids), self.chunk_blocks):
-            src, dst = dev_ids[lo:lo + self.chunk_blocks], host_ids[lo:lo + self.chunk_blocks]
+            src, dst = dev_ids[lo : lo + self.chunk_blocks], host_ids[lo : lo + self.chunk_blocks]
             dev, host = self._claim_slot(self.out, len(src))
             # gathered on the compute stream: the next step may overwrite these blocks
             torch.index_select(self.device.kv_cache, 0, self._indices(src), out=dev)
@@ -246,16 +252,15 @@ class Swapper:
 
     def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> torch.cuda.Event | None:
         for lo in range(0, len(host_ids), self.chunk_blocks):
-            src = torch.tensor(host_ids[lo:lo + self.chunk_blocks])
+            src = torch.tensor(host_ids[lo : lo + self.chunk_blocks])
             dev, host = self._claim_slot(self.back, len(src))
             torch.index_select(self.host.kv_cache, 0, src, out=host)
 
-            def copy_and_scatter(dst=dev_ids[lo:lo + len(src)], dev=dev, host=host):
+            def copy_and_scatter(dst=dev_ids[lo : lo + len(src)], dev=dev, host=host):
                 dev.copy_(host, non_blocking=True)
                 self.device.kv_cache.index_copy_(0, self._indices(dst), dev)
 
-            self._copy_chunk(self.back, "bytes_to_device", len(src), copy_and_scatter,
-                             lambda: None)
+            self._copy_chunk(self.back, "bytes_to_device", len(src), copy_and_scatter, lambda: None)
         return self.back.in_flight[-1].done if self.back.in_flight else None
 
     def _indices(self, ids: list[int]) -> torch.Tensor:
@@ -268,8 +273,14 @@ class Swapper:
             self._finish_oldest(lane)
         return tuple(stage[:num_blocks] for stage in lane.staging[lane.slot])
 
-    def _copy_chunk(self, lane: Lane, direction: str, num_blocks: int,
-                    device_work: Callable[[], None], finish: Callable[[], None]) -> Transfer | None:
+    def _copy_chunk(
+        self,
+        lane: Lane,
+        direction: str,
+        num_blocks: int,
+        device_work: Callable[[], None],
+        finish: Callable[[], None],
+    ) -> Transfer | None:
         """One chunk's device-side copies on the lane's stream; `finish` runs on the host after.
         The transfer in flight, or None: on CPU it is done on return."""
         self.counters[direction] += num_blocks * self.block_bytes

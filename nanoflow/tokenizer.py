@@ -12,8 +12,10 @@ from pathlib import Path
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # Qwen2's and Llama 3's split, which differ only in how many digits make one piece (%s)
-NEWER_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s"""
-               r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+NEWER_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 PRETOKENIZERS = {  # tokenizer.ggml.pre -> (split regex, split every digit first, NFC normalize)
     "smollm": (GPT2_SPLIT, True, False),
     "gpt2": (GPT2_SPLIT, False, False),
@@ -26,8 +28,14 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus what generation needs: BOS, EOS ids and the chat template."""
 
-    def __init__(self, tk, chat_template: str | None, bos_token: str | None,
-                 eos_token_ids: list[int], add_bos: bool):
+    def __init__(
+        self,
+        tk,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token_ids: list[int],
+        add_bos: bool,
+    ):
         self.tk, self.chat_template, self.bos_token = tk, chat_template, bos_token
         self.eos_token_ids, self.add_bos = eos_token_ids, add_bos
 
@@ -54,8 +62,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
-        from tokenizers import (AddedToken, Regex, Tokenizer as TK, decoders, models, normalizers,
-                                pre_tokenizers)
+        from tokenizers import (
+            AddedToken,
+            Regex,
+            Tokenizer as TK,
+            decoders,
+            models,
+            normalizers,
+            pre_tokenizers,
+        )
 
         def field(key: str, default=None):
             f = reader.fields.get(key)
@@ -66,16 +81,19 @@ class Tokenizer:
             raise ValueError(f"unsupported GGUF tokenizer {model!r}; only 'gpt2' (byte-level BPE)")
         pre = field("tokenizer.ggml.pre", "gpt2")
         if pre not in PRETOKENIZERS:
-            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; "
-                             f"known: {sorted(PRETOKENIZERS)}")
+            raise ValueError(
+                f"unsupported GGUF pre-tokenizer {pre!r}; known: {sorted(PRETOKENIZERS)}"
+            )
         tokens = field("tokenizer.ggml.tokens")
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
         vocab = {t: i for i, t in enumerate(tokens)}
         tk = TK(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
         split, digits, nfc = PRETOKENIZERS[pre]
         steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        steps += [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
         tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
         if nfc:
             tk.normalizer = normalizers.NFC()
@@ -109,8 +127,9 @@ class Tokenizer:
         """Render the checkpoint's own template (sandboxed jinja2) and tokenize it as is; kwargs
         are more template variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
         if not self.chat_template:
-            raise ValueError("this checkpoint has no chat template; "
-                             "use generate() with a plain prompt")
+            raise ValueError(
+                "this checkpoint has no chat template; use generate() with a plain prompt"
+            )
         text = _render_template(self.chat_template, messages, self.bos_token or "", kwargs)
         return self.tk.encode(text, add_special_tokens=False).ids
 
@@ -127,8 +146,9 @@ def _render_template(template: str, messages: list[dict], bos_token: str, kwargs
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render({**kwargs, "messages": messages,
-                                             "bos_token": bos_token, "add_generation_prompt": True})
+    return env.from_string(template).render(
+        {**kwargs, "messages": messages, "bos_token": bos_token, "add_generation_prompt": True}
+    )
 
 
 class IncrementalDetokenizer:
@@ -141,16 +161,16 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = 0
 
     def step(self, ids: list[int]) -> str:
-        prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self, ids: list[int]) -> str:
         """Whatever is still held back when the request ends (an unfinished character included)."""
-        prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]

@@ -47,13 +47,17 @@ class ToolRequest:
             if choice not in names:
                 raise ValueError(f"`tool_choice` names {choice!r}, which `tools` does not offer")
         elif choice not in (None, "none", "auto", "required"):
-            raise ValueError('`tool_choice` must be "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}')
+            raise ValueError(
+                '`tool_choice` must be "none", "auto", "required" or '
+                '{"type": "function", "function": {"name": ...}}'
+            )
         if choice == "none":
             return None
         if choice in (None, "auto") and not knows_tools(template):
-            raise ValueError('`tool_choice: "auto"` lets the model decide, but this model\'s chat '
-                             'template cannot show it tools: use "required" or name a function')
+            raise ValueError(
+                '`tool_choice: "auto"` lets the model decide, but this model\'s chat '
+                'template cannot show it tools: use "required" or name a function'
+            )
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
             raise ValueError("`parallel_tool_calls` must be true or false")
@@ -66,17 +70,30 @@ class ToolRequest:
     def json_schema(self) -> dict | None:
         """The constraint on the output: none for "auto"; a named function's arguments; for
         "required", an array of calls {"name", "arguments"} of offered functions."""
-        params = {t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS)
-                  for t in self.tools}
+        params = {
+            t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS)
+            for t in self.tools
+        }
         if self.choice != "required":
             return params.get(self.choice)
-        call = [{"type": "object", "properties": {"name": {"const": name}, "arguments": p},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for name, p in params.items()]
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": p},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, p in params.items()
+        ]
         # each function's $defs move to the root, where its "#/$defs/..." references point
         defs = {k: v for p in params.values() for k, v in p.get("$defs", {}).items()}
-        return {"type": "array", "items": {"anyOf": call}, "minItems": 1,
-                **({"$defs": defs} if defs else {}), **({} if self.parallel else {"maxItems": 1})}
+        return {
+            "type": "array",
+            "items": {"anyOf": call},
+            "minItems": 1,
+            **({"$defs": defs} if defs else {}),
+            **({} if self.parallel else {"maxItems": 1}),
+        }
 
 
 def knows_tools(template: str | None) -> bool:
@@ -87,8 +104,9 @@ def knows_tools(template: str | None) -> bool:
 def _check_tool(i: int, tool) -> str:
     f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
     if not isinstance(f, dict):
-        raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name", '
-                         '"parameters"}}')
+        raise ValueError(
+            f'tools[{i}] must be {{"type": "function", "function": {{"name", "parameters"}}}}'
+        )
     name = f.get("name")
     if not (isinstance(name, str) and NAME.fullmatch(name)):
         raise ValueError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}: {name!r}")
@@ -125,8 +143,10 @@ def _message_call(i: int, j: int, call) -> dict:
     except ValueError:
         args = None
     if not (isinstance(f.get("name") if f else None, str) and isinstance(args, dict)):
-        raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name and function."
-                         "arguments (a JSON object, or that object as a string)")
+        raise ValueError(
+            f"messages[{i}].tool_calls[{j}] needs function.name and function."
+            "arguments (a JSON object, or that object as a string)"
+        )
     return {"name": f["name"], "arguments": args}
 
 
@@ -172,8 +192,11 @@ def _call(block) -> tuple[str, dict] | None:
 
 
 def new_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 @dataclass
@@ -196,11 +219,12 @@ class ToolCallStream:
             function = {"name": self.tools.choice, "arguments": text}
             return {"tool_calls": [{"index": 0, **self.calls[0], "function": function}]}
         stripped = self.text.lstrip()
-        if not self.sent and any(s.startswith(stripped) or stripped.startswith(s)
-                                 for s in BARE_STARTS):
+        if not self.sent and any(
+            s.startswith(stripped) or stripped.startswith(s) for s in BARE_STARTS
+        ):
             return {}  # a bare JSON call may be starting
         end = self._content_end()
-        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
         return {"content": piece} if piece else {}
 
     def _content_end(self) -> int:
@@ -214,7 +238,7 @@ class ToolCallStream:
         """The held text's deltas: each call's id and name, then its arguments; or the content."""
         if self.tools.choice not in ("auto", "required"):
             return []
-        content = self._parse(self.text[self.sent:])
+        content = self._parse(self.text[self.sent :])
         deltas = [{"content": content}] if content.strip() else []
         for i, c in enumerate(self.calls):
             head = {"index": i, **c, "function": {"name": c["function"]["name"], "arguments": ""}}
@@ -240,7 +264,7 @@ class ToolCallStream:
         return content
 
     def finish_reason(self, reason: str) -> str:
-        """"tool_calls" if the answer ended (not cut by max_tokens) in complete calls: a named
+        """ "tool_calls" if the answer ended (not cut by max_tokens) in complete calls: a named
         function's arguments cut by a stop string are not a call to make."""
         named = self.tools.choice not in ("auto", "required")
         complete = self.calls and (not named or is_object(self.text))

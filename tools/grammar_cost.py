@@ -20,8 +20,11 @@ from nanoflow import LLM, SamplingParams, grammar  # noqa: E402
 
 # a schema that keeps a batch constrained through the timed steps: 64 strings at least
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 64}
-CALL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
-                                                "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
+CALL_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"],
+}
 
 
 def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> None:
@@ -29,12 +32,18 @@ def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> N
     (alternating, same prompts), the bitmask work alone, the unconstrained rows' check, compiles."""
     llm = LLM(args.ckpt, device=args.device, dtype=args.dtype, num_kv_blocks=batch * 24)
     engine, times = llm.engine, {True: [], False: []}
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"List {i} fruits."}])
-               for i in range(batch)]
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": f"List {i} fruits."}])
+        for i in range(batch)
+    ]
     for round_ in range(4):  # alternate, so that a busy machine slows both alike
         constrained = round_ % 2 == 0
-        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True,
-                                json_schema=LONG_SCHEMA if constrained else None)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=300,
+            ignore_eos=True,
+            json_schema=LONG_SCHEMA if constrained else None,
+        )
         reqs = [engine.add_request(p, params) for p in prompts]
         while any(r.num_output_tokens == 0 for r in reqs):  # prefill
             engine.step()
@@ -46,19 +55,24 @@ def grammar_cost(args: argparse.Namespace, batch: int = 32, steps: int = 8) -> N
             engine.abort(r.request_id)
     check = seconds(lambda: any(r.params.json_schema is not None for r in reqs)) * 1e6
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(f"decode step at batch {batch}, median of {2 * steps}: unconstrained {off * 1e3:.1f} ms, "
-          f"every row constrained {on * 1e3:.1f} ms (+{(on - off) * 1e3:.1f} ms); bitmasks filled "
-          f"and applied alone: {masks * 1e3:.2f} ms; an unconstrained step's check: {check:.1f} us")
+    print(
+        f"decode step at batch {batch}, median of {2 * steps}: unconstrained {off * 1e3:.1f} ms, "
+        f"every row constrained {on * 1e3:.1f} ms (+{(on - off) * 1e3:.1f} ms); bitmasks filled "
+        f"and applied alone: {masks * 1e3:.2f} ms; an unconstrained step's check: {check:.1f} us"
+    )
     for name, schema in [("long array", LONG_SCHEMA), ("tool call", CALL_SCHEMA)]:
         grammar._grammar.cache_clear()
         cold = seconds(lambda: engine.grammars.matcher(schema))
-        print(f"schema {name}: compile + matcher {cold * 1e3:.2f} ms cold, "
-              f"{seconds(lambda: engine.grammars.matcher(schema)) * 1e3:.2f} ms cached")
+        print(
+            f"schema {name}: compile + matcher {cold * 1e3:.2f} ms cold, "
+            f"{seconds(lambda: engine.grammars.matcher(schema)) * 1e3:.2f} ms cached"
+        )
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     ap.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")

@@ -39,15 +39,26 @@ def vs_transformers(args: argparse.Namespace) -> None:
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
         ours = n * n_new / seconds(lambda: llm.generate(prompts, params))
         with torch.no_grad():
-            theirs = n * n_new / seconds(lambda: hf.eval().generate(
-                torch.tensor(prompts), max_new_tokens=n_new, min_new_tokens=n_new,
-                do_sample=False, pad_token_id=0))
+            theirs = (
+                n
+                * n_new
+                / seconds(
+                    lambda: hf.eval().generate(
+                        torch.tensor(prompts),
+                        max_new_tokens=n_new,
+                        min_new_tokens=n_new,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
+                )
+            )
         print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     ap.add_argument("--prompt-len", default="128", help="prompt tokens (default: 128)")

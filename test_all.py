@@ -7212,3 +7212,43 @@ def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
         assert got == status, (name, answer)
         if status == 200:
             assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name
+
+
+# ---- The house: the size rule and the planted bugs (docs/design.md, "The house") ----
+
+SERVER_SIDE = {"serve", "openai", "protocol", "api", "tools", "grammar", "reasoning", "live"}
+SERVER_SIDE |= {"anthropic", "responses"}
+BENCH_SIDE = {"sim", "fleet"}  # and everything outside nanoflow/
+READING_PATH_MAX_LINES = 3500
+SERVER_SIDE_MAX_LINES = 1900
+
+
+def non_blank_lines(path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+def test_the_reading_path_and_the_server_side_keep_to_their_sizes():
+    """Non-blank lines after `ruff format`: the reading path (nanoflow/ but the server side and the
+    bench side) at most 3,500, the server side at most 1,900 (README, "Reading the code")."""
+    from pathlib import Path
+
+    sizes = Counter()
+    for path in (Path(__file__).parent / "nanoflow").glob("*.py"):
+        side = "server" if path.stem in SERVER_SIDE else "bench" if path.stem in BENCH_SIDE else ""
+        sizes[side or "reading"] += non_blank_lines(path)
+    print(f"reading path {sizes['reading']} lines, server side {sizes['server']}")
+    assert sizes["reading"] <= READING_PATH_MAX_LINES
+    assert sizes["server"] <= SERVER_SIDE_MAX_LINES
+
+
+def test_every_planted_bug_still_finds_its_line():
+    """tools/mutate.py plants each bug by replacing one unique piece of text: code that moved or
+    changed must take its mutants along, or the kill rate silently measures fewer bugs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
+    try:
+        import mutate
+    finally:
+        sys.path.pop(0)
+    for m in mutate.MUTANTS:
+        source = (mutate.ROOT / m.file).read_text()
+        assert source.count(m.old) == 1, f"{m.name}: its line is gone from {m.file} or not unique"

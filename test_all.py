@@ -1,4 +1,5 @@
-"""nanoflow's test suite. Runs on a 2-core CPU without a GPU; CUDA-only tests are marked and skipped.
+"""nanoflow's test suite. Runs on a 2-core CPU without a GPU; CUDA-only tests are marked and
+skipped.
 
 Oracles: HuggingFace transformers for the model and tokenizer, the torch references for the Triton
 kernels, an uninterrupted run for anything that batches, chunks or preempts.
@@ -22,6 +23,7 @@ import types
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -29,24 +31,24 @@ import torch
 # kernels run in Triton's interpreter on CPU tensors without a GPU, compiled on CUDA with one.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-import pytest  # noqa: E402
+import pytest
 
-import nanoflow.model  # noqa: E402
-from nanoflow import LLM, SamplingParams, attention, serve  # noqa: E402
-from nanoflow.attention import AttnMetadata  # noqa: E402
-from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN  # noqa: E402
-from nanoflow.kv import KVPool  # noqa: E402
-from nanoflow.model import demo_checkpoint  # noqa: E402
-from nanoflow.sampler import processed_logits, sample, sampling_probs  # noqa: E402
-from nanoflow.tokenizer import IncrementalDetokenizer  # noqa: E402
-from nanoflow.sched import FCFS, FCFSConfig, StepRates  # noqa: E402
-from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args  # noqa: E402
-from nanoflow.swap import Swapper  # noqa: E402
+import nanoflow.model
+from nanoflow import LLM, SamplingParams, attention, serve
+from nanoflow.attention import AttnMetadata
+from nanoflow.engine import READ_RATE_MAX, READ_RATE_MIN
+from nanoflow.kv import KVPool
+from nanoflow.model import demo_checkpoint
+from nanoflow.sampler import processed_logits, sample, sampling_probs
+from nanoflow.tokenizer import IncrementalDetokenizer
+from nanoflow.sched import FCFS, FCFSConfig, StepRates
+from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args
+from nanoflow.swap import Swapper
 
 # the tests hold the engine to fp32 references, whatever --dtype auto picks on this CPU
 nanoflow.model.CPU_DTYPE = torch.float32
 
-# ---------------------------------------------------------------- fixtures: small random checkpoints
+# -------------------------------------------------------------- fixtures: small random checkpoints
 
 TINY = dict(
     vocab_size=320,
@@ -177,7 +179,7 @@ def test_greedy_matches_transformers_generate(tiny):
         assert out.finish_reason == "length"
 
 
-# ---------------------------------------------------------------- the engine: batching, chunking, preemption
+# ------------------------------------------------------ the engine: batching, chunking, preemption
 
 
 def test_continuous_batching_matches_one_by_one(tiny):
@@ -298,7 +300,8 @@ def test_errors_name_the_problem(tmp_path, tiny):
 
 
 def clean_text_prompt(llm: LLM) -> list[int]:
-    """A random prompt whose greedy continuation decodes to whole characters (random models often emit stray bytes)."""
+    """A random prompt whose greedy continuation decodes to whole characters (random models often
+    emit stray bytes)."""
     for seed in range(100):
         prompt = random_prompts(1, TINY["vocab_size"], seed=seed)[0]
         text = llm.generate([prompt], GREEDY)[0].text
@@ -478,7 +481,7 @@ def test_sampler_penalties_match_a_per_row_reference():
     assert banned and all(tokens[i] not in eos + rows[i].params.stop_token_ids for i in banned)
 
 
-# ---------------------------------------------------------------- tokenizer, detokenizer, chat template
+# ----------------------------------------------------------- tokenizer, detokenizer, chat template
 
 
 def test_incremental_detokenizer_never_splits_characters(tiny):
@@ -508,7 +511,7 @@ def test_chat_template_is_applied(tiny):
     assert llm.chat(conv, GREEDY)[0].token_ids == llm.generate([ids], GREEDY)[0].token_ids
 
 
-# ---------------------------------------------------------------- the demo model (SmolLM2-135M-Instruct GGUF)
+# ----------------------------------------------------- the demo model (SmolLM2-135M-Instruct GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -582,8 +585,9 @@ def test_demo_chat_stops_at_end_of_turn(demo):
     ["emoji 👩‍💻🇫🇷😀🎉 and 日本語の文章, 한국어", "combining e\u0301 n\u0303 z\u0308\u0301 Ω≈ç√"],
 )
 def test_demo_detokenizer_streams_characters_split_across_tokens(demo, text):
-    """SmolLM2's byte-level BPE spreads these characters' bytes over tokens (a token may hold a space and the first
-    bytes of an emoji): the stream holds a piece back until its characters are whole, then sends all of it."""
+    """SmolLM2's byte-level BPE spreads these characters' bytes over tokens (a token may hold a
+    space and the first bytes of an emoji): the stream holds a piece back until its characters are
+    whole, then sends all of it."""
     tok = demo.tokenizer
     ids = tok.encode(text)
     assert (
@@ -607,7 +611,7 @@ def test_demo_detokenizer_streams_characters_split_across_tokens(demo, text):
         )  # a split character too
 
 
-# ---------------------------------------------------------------- Triton kernels against their torch references
+# --------------------------------------------------- Triton kernels against their torch references
 
 INTERPRET = os.environ["TRITON_INTERPRET"] != "0"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -620,15 +624,17 @@ needs_cuda = pytest.mark.skipif(
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b| per row (a query token, or a decode sequence), worst row: a long sequence's outputs are
-    averages of many values, small beside a short one's, and its errors must not hide behind them."""
+    """max|a - b| / max|b| per row (a query token, or a decode sequence), worst row: a long
+    sequence's outputs are averages of many values, small beside a short one's, and its errors must
+    not hide behind them."""
     a, b = a.float().flatten(1), b.float().flatten(1)
     return ((a - b).abs().amax(1) / b.abs().amax(1)).max().item()
 
 
 @pytest.fixture
 def nan_empty(monkeypatch):
-    """torch.empty / empty_like hand out NaN, so an element a kernel leaves unwritten fails the comparison."""
+    """torch.empty / empty_like hand out NaN, so an element a kernel leaves unwritten fails the
+    comparison."""
 
     def poisoned(make):
         def wrapper(*args, **kwargs):
@@ -731,7 +737,8 @@ def test_decode(block_size, group, head_dim, dtype, monkeypatch, nan_empty):
 
 
 def test_decode_default_splits(nan_empty):
-    """The launcher's own split choice: a context past DECODE_MIN_SPLIT beside one that fits in a split."""
+    """The launcher's own split choice: a context past DECODE_MIN_SPLIT beside one that fits in a
+    split."""
     seq_lens = [2 * attention.DECODE_MIN_SPLIT + 7, 5]
     q, pool, meta = make_batch([1, 1], seq_lens, 2, 16, 1, 2, 64, torch.float32)
     args = (q, *kv_views(pool), meta.block_tables, meta.seq_lens, max(seq_lens), 64**-0.5)
@@ -788,7 +795,8 @@ def test_extend_long_chunk_on_long_cached_prefix(nan_empty):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_through_dispatchers(dtype, monkeypatch, nan_empty):
-    """One layer of a mixed step (store the new K/V, then attend) with each backend, from the same pool."""
+    """One layer of a mixed step (store the new K/V, then attend) with each backend, from the same
+    pool."""
     block_size, kv_heads, group, head_dim = 16, 2, 4, 64
     decode_lens = ragged_lens(block_size)
     chunks = [(5, 0), (block_size + 1, 20)]
@@ -846,7 +854,8 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch):
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_llama_mixed_step(monkeypatch):
-    """Llama-3-8B attention shapes, bf16, compiled: a mixed step of long decodes and extend chunks."""
+    """Llama-3-8B attention shapes, bf16, compiled: a mixed step of long decodes and extend
+    chunks."""
     monkeypatch.delenv("NANOFLOW_ATTN", raising=False)  # CUDA picks triton by itself
     block_size, kv_heads, group, head_dim, dtype = 16, 8, 4, 128, torch.bfloat16
     decode_lens = [1, 15, 16, 17, 300, 1000, 2047, 4099]
@@ -1020,8 +1029,9 @@ def test_every_kernel_compiles_within_the_gpu(cc):
 
 
 def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
-    """With torch.empty handing out NaN (weights before loading, outputs, host KV, staging), decodes batched with
-    chunked prefills still give transformers' tokens: padding and unwritten slots are never read as numbers."""
+    """With torch.empty handing out NaN (weights before loading, outputs, host KV, staging), decodes
+    batched with chunked prefills still give transformers' tokens: padding and unwritten slots are
+    never read as numbers."""
     path, hf = tiny
     prompts = random_prompts(3, TINY["vocab_size"], seed=16, lengths=(1, 40))
     llm = LLM(path, device="cpu", num_kv_blocks=32, max_num_batched_tokens=24, host_kv_gb=0.01)
@@ -1038,7 +1048,8 @@ def test_engine_never_reads_memory_it_did_not_write(tiny, nan_empty):
 
 
 def test_triton_engine_matches_torch(tiny, monkeypatch):
-    """End to end: the same greedy tokens with either backend, continuous batching and chunked prefill in play."""
+    """End to end: the same greedy tokens with either backend, continuous batching and chunked
+    prefill in play."""
     path, _ = tiny
     prompts = random_prompts(4, TINY["vocab_size"], seed=9, lengths=(1, 40))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -1050,13 +1061,13 @@ def test_triton_engine_matches_torch(tiny, monkeypatch):
     assert outs["triton"] == outs["torch"]
 
 
-# ---------------------------------------------------------------- swap: host KV pool, write-through, evict/load
+# --------------------------------------------------- swap: host KV pool, write-through, evict/load
 
 
 def check_pools(engine) -> None:
-    """Accounting never lies, in both pools: each block's reference count is the number of tables that
-    hold it; free + referenced + cached + pending == total; no block is both free and referenced; a
-    cached block's hash names it."""
+    """Accounting never lies, in both pools: each block's reference count is the number of tables
+    that hold it; free + referenced + cached + pending == total; no block is both free and
+    referenced; a cached block's hash names it."""
     s = engine.scheduler
     reqs = s.running + list(s.waiting)
     pools = [(engine.kv, [r.block_table for r in reqs])]
@@ -1109,7 +1120,8 @@ def run_checked(llm: LLM, prompts, params):
 
 
 class Forced(FCFS):
-    """A policy for tests: preempt one running request every `every` steps; resume by load or recompute."""
+    """A policy for tests: preempt one running request every `every` steps; resume by load or
+    recompute."""
 
     def __init__(self, every: int, resume: str):
         super().__init__()
@@ -1192,8 +1204,9 @@ def test_host_pool_too_small_falls_back_to_recompute(tiny):
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:
-    """Prompts sharing a prefix of 0 to 70 tokens (block-aligned and not), a repeat, and a prompt that is
-    exactly a cached run of blocks (its last block must still be computed, for the logits)."""
+    """Prompts sharing a prefix of 0 to 70 tokens (block-aligned and not), a repeat, and a prompt
+    that is exactly a cached run of blocks (its last block must still be computed, for the
+    logits)."""
     rng = random.Random(seed)
     base = [rng.randrange(3, TINY["vocab_size"]) for _ in range(70)]
     tails = [
@@ -1217,8 +1230,8 @@ def computed_tokens(llm: LLM) -> Counter:
 
 @pytest.mark.parametrize("resume", ["load", "recompute"])
 def test_prefix_caching_gives_identical_tokens(tiny, resume):
-    """Shared prefixes of every kind, under forced preemption; the pools are checked after every step.
-    The second round finds every prompt's blocks cached."""
+    """Shared prefixes of every kind, under forced preemption; the pools are checked after every
+    step. The second round finds every prompt's blocks cached."""
     path, _ = tiny
     prompts = shared_prefix_prompts(seed=20)
     off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
@@ -1253,7 +1266,8 @@ def test_second_turn_computes_only_its_new_tokens(tiny):
     out = llm.generate(second, GREEDY)[0]
     off = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
     assert out.token_ids == off.generate(second, GREEDY)[0].token_ids
-    # the first turn computed its prompt and all but its last reply token: their full blocks are cached
+    # the first turn computed its prompt and all but its last reply token: their full blocks are
+    # cached
     hit = (len(first) + len(reply) - 1) // 16 * 16
     assert hit >= len(first) and llm.stats()["prefix_hit_tokens"] == hit
     assert counts[out.request_id] == len(second) - hit + GREEDY.max_tokens - 1
@@ -1408,8 +1422,8 @@ def test_the_host_tier_takes_what_the_device_drops_and_drops_its_copies_first():
 
 
 def test_swap_round_trip_across_staging_chunks(monkeypatch):
-    """Evict and load copies of scattered blocks in chunks of 3 (the staging buffers' size): every block lands in
-    its own slot of the other pool, and no other block of either pool is touched."""
+    """Evict and load copies of scattered blocks in chunks of 3 (the staging buffers' size): every
+    block lands in its own slot of the other pool, and no other block of either pool is touched."""
     shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
     block_bytes = (
         2 * 2 * 4 * 2 * 8 * 4
@@ -1491,7 +1505,8 @@ def test_pinned_host_pool_pins_exactly_its_bytes_until_it_dies(monkeypatch):
 
 
 def test_kv_pool_hands_out_each_block_once():
-    """The allocator's books: the blocks held and the free list partition the pool after every grow and free."""
+    """The allocator's books: the blocks held and the free list partition the pool after every grow
+    and free."""
     pool, rng, tables = (
         KVPool(10, 1, 4, 1, 8, torch.float32, torch.device("cpu")),
         random.Random(1),
@@ -1541,7 +1556,7 @@ def test_cuda_transfers_use_a_side_stream_and_pinned_memory(tiny):
     assert tokens == expected and llm.stats()["resumes_load"] > 0
 
 
-# ---------------------------------------------------------------- the HTTP server, over real sockets on 127.0.0.1
+# ------------------------------------------------- the HTTP server, over real sockets on 127.0.0.1
 # The server runs in-process on an ephemeral port; the engine is slowed or held where a test needs
 # tokens to take time (a sleep or a gate around `engine.step`). The only time bound asserted is the
 # issue's: a client that leaves is aborted, and its blocks freed, within a second.
@@ -1597,7 +1612,8 @@ def call(server, method: str, path: str, body=None, headers: dict | None = None)
 
 
 def open_stream(server, path: str, body: dict) -> tuple[socket.socket, http.client.HTTPResponse]:
-    """The socket (the response takes it over from its connection) and the response, headers read."""
+    """The socket (the response takes it over from its connection) and the response, headers
+    read."""
     conn = connect(server)
     conn.request(
         "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
@@ -1615,7 +1631,8 @@ def hang_up(sock: socket.socket, resp: http.client.HTTPResponse) -> None:
 
 
 def sse(resp):
-    """(arrival time, chunk) for each `data:` event as it arrives; the chunk of the last is "[DONE]"."""
+    """(arrival time, chunk) for each `data:` event as it arrives; the chunk of the last is
+    "[DONE]"."""
     while line := resp.readline():
         if line.startswith(b"data: "):
             data = line[len(b"data: ") :].strip()
@@ -1688,8 +1705,8 @@ def test_stream_arrives_token_by_token_and_matches_the_whole_answer(server, monk
     assert len(content) >= 6 and all(
         text for _, text in content
     )  # a token that ends mid-character waits
-    # each chunk leaves when its token is generated: the first long before the last (24 steps of >= 20 ms),
-    # and (scheduling jitter aside) a step's time apart
+    # each chunk leaves when its token is generated: the first long before the last (24 steps of >=
+    # 20 ms), and (scheduling jitter aside) a step's time apart
     times = [t for t, _ in content]
     assert times[-1] - times[0] > 10 * delay
     assert sum(b - a > delay / 2 for a, b in zip(times, times[1:])) >= len(times) // 2
@@ -1766,7 +1783,8 @@ def test_32_concurrent_streams(server):
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
     assert results == [("length", 16, "[DONE]")] * 32
-    # each stream carried its own answer: the same request alone, not streamed (seeded, so reproducible)
+    # each stream carried its own answer: the same request alone, not streamed (seeded, so
+    # reproducible)
     alone = {
         i: call(server, "POST", "/v1/completions", body(i))[2]["choices"][0]["text"]
         for i in range(32)
@@ -1775,7 +1793,7 @@ def test_32_concurrent_streams(server):
     assert all_free(server)
 
 
-# ---------------------------------------------------------------- bad input, disconnects, overload, keys
+# ---------------------------------------------------------- bad input, disconnects, overload, keys
 
 
 BAD = [  # (method, path, body, status, error code or None)
@@ -1938,7 +1956,8 @@ def test_an_engine_failure_fails_its_requests_not_the_server(server, monkeypatch
 
 
 def test_openai_prompt_forms_reach_the_engine_alike(server, monkeypatch):
-    """What OpenAI clients send: a batch of one prompt, token ids, chat content as a list of text parts."""
+    """What OpenAI clients send: a batch of one prompt, token ids, chat content as a list of text
+    parts."""
     got, add = [], server.engine.add_request
     monkeypatch.setattr(
         server.engine, "add_request", lambda ids, *args: (got.append(ids), add(ids, *args))[1]
@@ -1999,7 +2018,8 @@ def test_every_sampling_field_reaches_the_engine(server, monkeypatch):
 
 
 def test_server_fills_the_context_and_no_more(server):
-    """By default an answer may run to the end of the context (as OpenAI's and vLLM's do), and never past it."""
+    """By default an answer may run to the end of the context (as OpenAI's and vLLM's do), and never
+    past it."""
     prompt = [5] * (server.engine.max_model_len - 3)
     status, _, whole = call(server, "POST", "/v1/completions", dict(prompt=prompt, ignore_eos=True))
     assert (
@@ -2439,7 +2459,8 @@ def test_bench_help_prints(capsys):
 
 
 def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
-    """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main() builds."""
+    """Every flag of `python -m nanoflow.serve` ends up in the engine and the server that main()
+    builds."""
     # --log-level sets the level of the "nanoflow" logger for the whole process; --cpu-threads
     # torch's thread count
     request.addfinalizer(lambda: logging.getLogger("nanoflow").setLevel(logging.NOTSET))
@@ -2536,7 +2557,8 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
 
 
 def test_read_rates_are_clamped(ckpt):
-    """A declared read rate buys priority under tokenflow: it is clamped, both ways, and so is the default."""
+    """A declared read rate buys priority under tokenflow: it is clamped, both ways, and so is the
+    default."""
     llm = LLM(ckpt, device="cpu", num_kv_blocks=16, read_rate=1e6)
     rates = {}
     for declared in (1e6, 1e-3, 5.0, None):
@@ -2591,31 +2613,33 @@ def test_sigterm_drains_streams_and_exits_0(ckpt):
         proc.kill()
 
 
-# ---------------------------------------------------------------- readers, metrics, the tokenflow policy, the simulator
+# ------------------------------------------- readers, metrics, the tokenflow policy, the simulator
 
 from nanoflow.metrics import (
     RequestRecord,
     effective_weights,
     qoe,
-    read_times,  # noqa: E402
+    read_times,
     rebuffer_time,
     summarize,
 )
-from nanoflow.sched import Request, RequestStatus, TokenFlowConfig  # noqa: E402
-from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
+from nanoflow.sched import Request, RequestStatus, TokenFlowConfig
+from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine
 
 
 def sim_engine(*args, **kwargs):
-    """A simulated engine whose runs repeat exactly: the scheduler's own time is not charged. Without
-    prefix caching unless asked: these scenarios' prompts ([1] * n) stand for distinct requests."""
+    """A simulated engine whose runs repeat exactly: the scheduler's own time is not charged.
+    Without prefix caching unless asked: these scenarios' prompts ([1] * n) stand for distinct
+    requests."""
     kwargs.setdefault("enable_prefix_caching", False)
     return build_engine(*args, charge_scheduler=False, **kwargs)
 
 
 @pytest.mark.parametrize("evicted", [False, True])
 def test_simulator_serves_a_second_turn_from_the_device_or_the_host_tier(evicted):
-    """The same two tiers on the virtual clock: a second turn finds the first on the device, or, once
-    other prompts pushed it out of the device pool, on host (copied there as the device took its blocks)."""
+    """The same two tiers on the virtual clock: a second turn finds the first on the device, or,
+    once other prompts pushed it out of the device pool, on host (copied there as the device took
+    its blocks)."""
     engine = sim_engine("cpu-smollm2", "fcfs", num_kv_blocks=32, enable_prefix_caching=True)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -2669,18 +2693,20 @@ def test_metrics_by_hand():
 
 
 def test_summarize_every_key_by_hand():
-    """Readers at 4 tok/s (one token every 0.25 s); times are multiples of 1/8, so the arithmetic is exact."""
+    """Readers at 4 tok/s (one token every 0.25 s); times are multiples of 1/8, so the arithmetic is
+    exact."""
     a = RequestRecord(
         0.0, [1.0, 1.5, 1.625, 3.0], 4.0
     )  # read at 1.0, 1.5 (due 1.25), 1.75 (made 1.625), 3.0 (due 2.0)
     b = RequestRecord(0.5, [1.0] * 8, 4.0)  # 8 tokens at once, read at 1.0, 1.25, ..., 2.75
     s = summarize([a, b, RequestRecord(0.0, [], 4.0)], makespan=4.0)  # the third has no token yet
-    # tbts: a's 0.5, 0.125, 1.375 and b's seven 0s; sorted, p99 sits at 0.99 * 9 = 8.91: 0.5 + 0.91 * (1.375 - 0.5)
-    # rebuffer: a stalls 1.5 - 1.25 (the first gap counts) and 3.0 - 2.0; b never stalls
-    # QoE: a's ideal reads 1.3 + 0.25 i; only its last is late, by 3.0 - 2.05, out of its reads' 1 + 1.5 + 1.75 + 3
-    # seconds since arrival; b reads everything before its ideal 1.8 + 0.25 i
-    # effective weights (L = 4: 1 while buffer <= 0.4; L = 8: 1 while <= 0.8, then 2 - 10 B / 8, 0 from 1.6):
-    # a finds its earlier tokens all read when each is made (4); b's first two find 0 unread, its third 1 (0.75)
+    # tbts: a's 0.5, 0.125, 1.375 and b's seven 0s; sorted, p99 sits at 0.99 * 9 = 8.91: 0.5 + 0.91
+    # * (1.375 - 0.5) rebuffer: a stalls 1.5 - 1.25 (the first gap counts) and 3.0 - 2.0; b never
+    # stalls QoE: a's ideal reads 1.3 + 0.25 i; only its last is late, by 3.0 - 2.05, out of its
+    # reads' 1 + 1.5 + 1.75 + 3 seconds since arrival; b reads everything before its ideal 1.8 +
+    # 0.25 i effective weights (L = 4: 1 while buffer <= 0.4; L = 8: 1 while <= 0.8, then 2 - 10 B /
+    # 8, 0 from 1.6): a finds its earlier tokens all read when each is made (4); b's first two find
+    # 0 unread, its third 1 (0.75)
     assert s == {
         "ttft_mean": pytest.approx((1.0 + 0.5) / 2),
         "ttft_p50": pytest.approx(0.75),
@@ -2700,7 +2726,8 @@ def test_summarize_every_key_by_hand():
 
 
 def test_scheduler_reader_agrees_with_the_metrics():
-    """When the scheduler thinks a reader runs dry is when the metrics' pacer wants its next token (docs/scheduling.md)."""
+    """When the scheduler thinks a reader runs dry is when the metrics' pacer wants its next token
+    (docs/scheduling.md)."""
     rng = random.Random(2)
     for _ in range(20):
         times, rate = (
@@ -2742,8 +2769,8 @@ def drive(engine, arrivals: list[tuple[float, int, int, float]], max_steps: int 
 
 
 def test_motivating_example():
-    """TokenFlow's Figure: two slots, each running request decoding at 40 tok/s (so 80 tok/s in all);
-    R1 reads at 20 tok/s and R2 at 30 from t=0; R3 (25 tok/s) arrives at t=2."""
+    """TokenFlow's Figure: two slots, each running request decoding at 40 tok/s (so 80 tok/s in
+    all); R1 reads at 20 tok/s and R2 at 30 from t=0; R3 (25 tok/s) arrives at t=2."""
     toy = CostModel(
         "toy",
         SMOLLM2_135M,
@@ -2759,8 +2786,9 @@ def test_motivating_example():
         max_num_seqs=2,
     )
     arrivals = [(0.0, 16, 300, 20.0), (0.0, 16, 300, 30.0), (2.0, 16, 300, 25.0)]
-    # Δt at the toy's time scale (a 300-token answer lasts 7.5 s); switches cost nothing here, so the paper's
-    # agile setting (mu 1), and the readers may ask for all of the capacity (75 of 80 tok/s)
+    # Δt at the toy's time scale (a 300-token answer lasts 7.5 s); switches cost nothing here, so
+    # the paper's agile setting (mu 1), and the readers may ask for all of the capacity (75 of 80
+    # tok/s)
     quick = TokenFlowConfig(interval=0.5, mu=1, capacity_share=1.0)
     runs = {
         policy: drive(sim_engine(toy, policy, tokenflow=quick), arrivals)
@@ -2796,10 +2824,10 @@ def test_tokenflow_preempts_only_what_can_wait_and_never_swaps_back_and_forth():
 
     policy.preemptions, s.preempt = preemptions, preempt
     reqs = drive(engine, burst(40, rate=2.0))  # 80 tok/s of readers, ~120 tok/s of capacity
-    # a 16-token block of fp32 SmolLM2 KV is 16 x 30 layers x 2 x 3 heads x 64 x 4 bytes = 737,280 bytes; even
-    # copying every block out and back over the preset's 5 GB/s link is ~0.3 ms per block, far below the
-    # interval (1.5 s) and a step (~0.1 s) that every switch costs on top: so each victim's reader must have
-    # had at least mu x 1.5 s of reading left
+    # a 16-token block of fp32 SmolLM2 KV is 16 x 30 layers x 2 x 3 heads x 64 x 4 bytes = 737,280
+    # bytes; even copying every block out and back over the preset's 5 GB/s link is ~0.3 ms per
+    # block, far below the interval (1.5 s) and a step (~0.1 s) that every switch costs on top: so
+    # each victim's reader must have had at least mu x 1.5 s of reading left
     assert len(decisions) > 10
     assert all(stall >= 2.0 * (1.5 + 2 * blocks * 737_280 / 5e9) for stall, _, blocks in decisions)
     for (
@@ -2819,8 +2847,9 @@ def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
         )
     assert within["tokenflow"]["ttft_p99"] < 0.5 * within["fcfs"]["ttft_p99"]
     assert within["tokenflow"]["rebuffer_mean"] <= within["fcfs"]["rebuffer_mean"] + 0.1
-    # readers at 20 tok/s x 40 = 800 tok/s of demand against ~120 of capacity: once that is measured,
-    # nobody is preempted to let a newcomer in (what preemptions remain: the pool ran out under growth)
+    # readers at 20 tok/s x 40 = 800 tok/s of demand against ~120 of capacity: once that is
+    # measured, nobody is preempted to let a newcomer in (what preemptions remain: the pool ran out
+    # under growth)
     engine = sim_engine("cpu-smollm2", "tokenflow")
     policy, chosen, overloaded = engine.scheduler.policy, [], []
     real_preemptions = policy.preemptions
@@ -2839,12 +2868,12 @@ def test_tokenflow_beats_fcfs_on_a_burst_and_degrades_to_fcfs_past_capacity():
 
 @pytest.mark.parametrize("num_kv_blocks, joins", [(None, (2, 1)), (180, (2, 1)), (100, (1, 1))])
 def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_kv_blocks, joins):
-    """Readers ask for 80 tok/s of a capacity of 95 (80% of 118.75): newcomers join while they fit in
-    95, but when every newcomer fits in the whole 118.75, all of them join (the last few of a burst
-    would otherwise wait for someone to finish: burst 400's 55 s TTFT p99 in some runs). The share
-    pays for switches: the default pool (256 blocks of 16 tokens) holds all ten at their mean size
-    (8 x (120 + 400 / 2) + 2 x (20 + 500 / 2) = 3,100 tokens) at once, and none is needed. Else the
-    device moves one request at a time, and one request's share of its batch is kept: 180 blocks
+    """Readers ask for 80 tok/s of a capacity of 95 (80% of 118.75): newcomers join while they fit
+    in 95, but when every newcomer fits in the whole 118.75, all of them join (the last few of a
+    burst would otherwise wait for someone to finish: burst 400's 55 s TTFT p99 in some runs). The
+    share pays for switches: the default pool (256 blocks of 16 tokens) holds all ten at their mean
+    size (8 x (120 + 400 / 2) + 2 x (20 + 500 / 2) = 3,100 tokens) at once, and none is needed. Else
+    the device moves one request at a time, and one request's share of its batch is kept: 180 blocks
     hold 2,880 x 10 / 3,100 = 9.3 of them, 100 of 118.75 x (1 - 1 / 9.3) = 106 tok/s may be asked;
     100 blocks hold 5.2, only 96 tok/s, and the last newcomer waits (the tight-memory burst: all 30
     readers joined at 2 tok/s each where the engine made 60 tok/s, and most of them stalled). A
@@ -2963,7 +2992,8 @@ def toy_cost(**overrides) -> CostModel:
 
 
 def running_request(engine, prompt_len: int, max_tokens: int, rate: float = 10.0):
-    """A request placed straight into the running set with its prompt's KV computed (no step run)."""
+    """A request placed straight into the running set with its prompt's KV computed (no step
+    run)."""
     s = engine.scheduler
     req = engine.add_request(
         [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True, read_rate=rate)
@@ -2976,8 +3006,8 @@ def running_request(engine, prompt_len: int, max_tokens: int, rate: float = 10.0
 
 
 def test_switch_time_by_hand():
-    """Evict the unsynced tail, load everything back, behind the queued copies; or recompute when faster,
-    or when the host pool cannot take the tail (the eviction would fail)."""
+    """Evict the unsynced tail, load everything back, behind the queued copies; or recompute when
+    faster, or when the host pool cannot take the tail (the eviction would fail)."""
     for host_blocks, expected in [(100, 0.5 + 0.16 + 1.5 + 0.02), (6, 1.0 + 1.5 + 0.02)]:
         engine = sim_engine(toy_cost(num_host_blocks=host_blocks), "tokenflow")
         s, swapper = engine.scheduler, engine.scheduler.swapper
@@ -2987,13 +3017,14 @@ def test_switch_time_by_hand():
         s.rates.prefill_rate = 100.0  # recompute: 100 tokens / 100 = 1.0 s
         s.rates.observe(0.02, 0, 1)  # a decode step takes 0.02 s
         swapper.free_at["back"] = 0.5  # loads queued for 0.5 s ahead of this one
-        # (3 blocks out + 7 back) x 16 tokens x 1000 bytes / 1e6 B/s = 0.16 s; + interval 1.5 + one step 0.02
+        # (3 blocks out + 7 back) x 16 tokens x 1000 bytes / 1e6 B/s = 0.16 s; + interval 1.5 + one
+        # step 0.02
         assert s.policy.switch_time(s, req) == pytest.approx(expected)
 
 
 def test_urgency_is_when_the_reader_runs_dry_so_stalled_readers_age():
-    """Stalled readers first, the longest stalled first; then newcomers by arrival; then readers with a
-    buffer, by when they run dry (running requests look 10% more urgent than they are)."""
+    """Stalled readers first, the longest stalled first; then newcomers by arrival; then readers
+    with a buffer, by when they run dry (running requests look 10% more urgent than they are)."""
     engine = sim_engine(toy_cost(), "tokenflow")
     policy, now = engine.scheduler.policy, 1.0
 
@@ -3098,12 +3129,13 @@ def test_a_keep_set_member_that_does_not_fit_yet_holds_the_queue():
 
 @pytest.mark.parametrize("num_running,starts", [(2, True), (3, False)])
 def test_a_paused_reader_comes_back_only_with_room_for_everyones_growth(num_running, starts):
-    """A paused reader resumes only if its blocks and what the running requests (itself included) add
-    until the next rebalance fit: else resuming it pushes another out at once, and under overload the
-    swaps feed each other until the host pool is full. A decode step takes 0.02 s: in a 1.5 s interval
-    each request adds 75 tokens. Three 240-token requests hold 45 of 64 blocks; the member (recomputed)
-    needs 1 block and 4 x 75 tokens = 19 blocks of growth: 20 > 19 free. With two: 1 + 15 <= 34. (The
-    host pool, 20 blocks, could not take what the device holds: else a push-out is a cheap copy.)"""
+    """A paused reader resumes only if its blocks and what the running requests (itself included)
+    add until the next rebalance fit: else resuming it pushes another out at once, and under
+    overload the swaps feed each other until the host pool is full. A decode step takes 0.02 s: in a
+    1.5 s interval each request adds 75 tokens. Three 240-token requests hold 45 of 64 blocks; the
+    member (recomputed) needs 1 block and 4 x 75 tokens = 19 blocks of growth: 20 > 19 free. With
+    two: 1 + 15 <= 34. (The host pool, 20 blocks, could not take what the device holds: else a
+    push-out is a cheap copy.)"""
     engine = sim_engine(toy_cost(num_kv_blocks=64, num_host_blocks=20), "tokenflow")
     s = engine.scheduler
     s.rates.observe(0.02, 0, num_running)
@@ -3138,10 +3170,11 @@ def test_mass_preemption_only_for_newcomers_that_can_start_within_the_interval(l
         for _ in range(40)
     ]
     victims = s.policy.preemptions(s, engine.clock())
-    # 3 newcomers of 500 tokens fit 1500 tokens of prefill; with their 10 tokens of output each needs 32
-    # blocks. The 30 hold 11 blocks each and add 75 tokens within the interval (15 blocks each): the
-    # keep-set is the 3 newcomers and 15 of the 30 (96 + 225 <= 330): 15 leave, not 30. On a 1 MB/s link a victim's
-    # copies (11 blocks out, 11 back, 16 KB each) take 0.352 s: 5 of them fill the 1.5 s interval.
+    # 3 newcomers of 500 tokens fit 1500 tokens of prefill; with their 10 tokens of output each
+    # needs 32 blocks. The 30 hold 11 blocks each and add 75 tokens within the interval (15 blocks
+    # each): the keep-set is the 3 newcomers and 15 of the 30 (96 + 225 <= 330): 15 leave, not 30.
+    # On a 1 MB/s link a victim's copies (11 blocks out, 11 back, 16 KB each) take 0.352 s: 5 of
+    # them fill the 1.5 s interval.
     assert len(victims) == expected and {r for r in news if r in s.policy.keep} == set(news[:3])
 
 
@@ -3198,7 +3231,8 @@ def test_fcfs_admits_by_sglangs_estimate_and_resets_it_on_retraction():
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     reqs = [engine.add_request([1] * 31, params) for _ in range(8)]
     engine.step()
-    # each keeps its prompt (2 blocks: 32 tokens) plus 0.7 x 100 = 70 tokens free: 102 of the 640 slots
+    # each keeps its prompt (2 blocks: 32 tokens) plus 0.7 x 100 = 70 tokens free: 102 of the 640
+    # slots
     assert len(s.running) == 6 and fcfs.new_token_ratio == pytest.approx(0.7 - 0.6 / 600)
     while not s.counters["preemptions"]:
         engine.step()
@@ -3248,7 +3282,8 @@ def test_matrix_verdict():
 
 
 def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
-    base = "--simulate --uncharged --preset cpu-smollm2 --prompt-len 64:16 --output-len 128:32 --seed 3"
+    base = "--simulate --uncharged --preset cpu-smollm2 --prompt-len 64:16 --output-len 128:32"
+    base += " --seed 3"
     rows = [
         ("burst", "--burst 40 --read-rate 2", {"ttft_p99": 0.5}),
         ("overload", "--burst 40 --read-rate 20", {}),
@@ -3259,17 +3294,18 @@ def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
             for n in range(10)
         ],
     ]
-    for name, f, t, misses in bench.run_matrix(rows, base):
+    for name, _fcfs, _tokenflow, misses in bench.run_matrix(rows, base):
         assert not misses, (name, misses)
 
 
 # ---------------------------------------------------------------- bench.py: a tiny run of each mode
-# Each mode runs the same few short requests on the tiny checkpoint (or the CPU preset) and must print
-# the side-by-side table and write JSON whose numbers are finite and consistent. No timing is asserted.
+# Each mode runs the same few short requests on the tiny checkpoint (or the CPU preset) and must
+# print the side-by-side table and write JSON whose numbers are finite and consistent. No timing is
+# asserted.
 
-import math  # noqa: E402
+import math
 
-import bench  # noqa: E402
+import bench
 
 BENCH_WORKLOAD = ["--burst", "4", "--prompt-len", "12:2", "--output-len", "10:2", "--seed", "1"]
 METRIC_KEYS = (
@@ -3589,7 +3625,8 @@ class SlowCopy:
 
 
 def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
-    """As on a GPU, evicted blocks come back only when their copies finish: one eviction must be enough."""
+    """As on a GPU, evicted blocks come back only when their copies finish: one eviction must be
+    enough."""
     path, _ = tiny
     no_reserve = FCFS(
         FCFSConfig(init_new_token_ratio=0.0, min_new_token_ratio=0.0)
@@ -3626,12 +3663,12 @@ def test_short_pool_waits_for_evicted_blocks_instead_of_evicting_everyone(tiny):
 
 # ---------------------------------------------------------------- the live view (GET /, its events)
 
-import base64  # noqa: E402
-import fcntl  # noqa: E402
-import select  # noqa: E402
-import shutil  # noqa: E402
+import base64
+import fcntl
+import select
+import shutil
 
-from nanoflow import live  # noqa: E402
+from nanoflow import live
 
 
 def test_live_row_counts_what_the_reader_has_not_read():
@@ -3799,7 +3836,8 @@ class Browser:
         )
 
     def press_enter(self) -> None:
-        """A real Enter key in the focused element (a form submits on it; setting .value does not)."""
+        """A real Enter key in the focused element (a form submits on it; setting .value does
+        not)."""
         key = {"key": "Enter", "code": "Enter", "windowsVirtualKeyCode": 13}
         self.call("Input.dispatchKeyEvent", self.session, type="keyDown", text="\r", **key)
         self.call("Input.dispatchKeyEvent", self.session, type="keyUp", **key)
@@ -4042,8 +4080,8 @@ def stream_with_key(server, rate: float, ids: list[str]) -> None:
 
 
 def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits():
-    """Equal leading ids give equal leading tokens (so the engine's cache can find them); the plain LRU
-    bound, checked on a toy trace by hand, and on the real trace against its unbounded rate."""
+    """Equal leading ids give equal leading tokens (so the engine's cache can find them); the plain
+    LRU bound, checked on a toy trace by hand, and on the real trace against its unbounded rate."""
     args = bench.parse_args(
         ["--trace", os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")]
     )
@@ -4071,10 +4109,10 @@ def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits(
     )  # the trace's README
 
 
-# ------------------------------------------------ issue 29: a README that invites, a live page that works on any screen
+# --------------------------- issue 29: a README that invites, a live page that works on any screen
 
-import glob  # noqa: E402
-import re  # noqa: E402
+import glob
+import re
 
 
 def markdown_anchor(heading: str) -> str:
@@ -4089,7 +4127,7 @@ def test_readme_and_docs_links_point_at_what_exists():
     pages = [os.path.join(root, "README.md"), *glob.glob(os.path.join(root, "docs", "*.md"))]
     checked = 0
     for page in pages:
-        text = open(page, encoding="utf-8").read()
+        text = Path(page).read_text(encoding="utf-8")
         text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
@@ -4098,7 +4136,7 @@ def test_readme_and_docs_links_point_at_what_exists():
             file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
             assert os.path.exists(file), f"{os.path.relpath(page, root)}: no {target}"
             if part and file.endswith(".md"):
-                headings = re.findall(r"^#+ (.+)$", open(file, encoding="utf-8").read(), re.M)
+                headings = re.findall(r"^#+ (.+)$", Path(file).read_text(encoding="utf-8"), re.M)
                 assert part in map(markdown_anchor, headings), (
                     f"{os.path.relpath(page, root)}: {target}"
                 )
@@ -4124,10 +4162,10 @@ def test_live_view_says_how_long_the_engine_thread_has_been_in_one_step():
     ]
 
 
-# ------------------------------------------------ issue 27: Qwen3, Llama 3.2, Mistral; thinking models
-# Each family against transformers on a random checkpoint the test writes (every RMSNorm weight random, so
-# that a norm skipped or misplaced shows); GGUF files written with the `gguf` package's own writer and tensor
-# names; the reasoning split on a fixed template and a forced token stream.
+# -------------------------------------------- issue 27: Qwen3, Llama 3.2, Mistral; thinking models
+# Each family against transformers on a random checkpoint the test writes (every RMSNorm weight
+# random, so that a norm skipped or misplaced shows); GGUF files written with the `gguf` package's
+# own writer and tensor names; the reasoning split on a fixed template and a forced token stream.
 
 LLAMA32_ROPE = {
     "rope_type": "llama3",
@@ -4145,8 +4183,9 @@ QWEN3_TEMPLATE = (
 
 
 def write_family(path, family: str, seed: int = 0):
-    """A random checkpoint of a new family, saved by transformers; returns the transformers model. Qwen3's
-    tokenizer has its think markers (added, not special) and its template Qwen3's generation prompt."""
+    """A random checkpoint of a new family, saved by transformers; returns the transformers model.
+    Qwen3's tokenizer has its think markers (added, not special) and its template Qwen3's generation
+    prompt."""
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
         LlamaConfig,
@@ -4243,7 +4282,8 @@ def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(fam
         "Qwen2ForCausalLM, Qwen3ForCausalLM",
     ):
         LLM(tmp_path, device="cpu", num_kv_blocks=64)
-    # Mistral v0.1 attends to a window of the last tokens: served only when the context fits inside it
+    # Mistral v0.1 attends to a window of the last tokens: served only when the context fits inside
+    # it
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
     with pytest.raises(ValueError, match="sliding_window.*max_model_len <= 100 \\(now 512\\)"):
         LLM(tmp_path, device="cpu", num_kv_blocks=64)
@@ -4261,9 +4301,9 @@ def test_unsupported_architecture_and_sliding_window_fail_at_once_saying_why(fam
 
 
 def write_gguf(path, ckpt, hf) -> None:
-    """The checkpoint as llama.cpp's converter lays it out: its tensor names (the gguf package's map), llama's
-    q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, added tokens as control (special) or
-    user-defined tokens, the vocabulary padded to the model's."""
+    """The checkpoint as llama.cpp's converter lays it out: its tensor names (the gguf package's
+    map), llama's q/k rows permuted, Llama 3's rope scaling as a rope_freqs tensor, added tokens as
+    control (special) or user-defined tokens, the vocabulary padded to the model's."""
     import gguf
 
     cfg = hf.config
@@ -4411,7 +4451,8 @@ def thinking_server(thinking_ckpt):
 
 
 def force_output(server, monkeypatch, text: str) -> list[int]:
-    """Every request generates the tokens of `text`, then end-of-turn: the model's own sampling is skipped."""
+    """Every request generates the tokens of `text`, then end-of-turn: the model's own sampling is
+    skipped."""
     tok = server.engine.tokenizer
     ids = tok.encode(text) + [tok.tk.token_to_id("<|im_end|>")]
     monkeypatch.setattr(
@@ -4421,7 +4462,8 @@ def force_output(server, monkeypatch, text: str) -> list[int]:
 
 
 def chat_both_ways(server, body: dict) -> tuple[list[dict], list[list[dict]], dict]:
-    """The messages of a whole answer, each choice's streamed deltas, and the usage, for one body."""
+    """The messages of a whole answer, each choice's streamed deltas, and the usage, for one
+    body."""
     status, _, whole = call(server, "POST", CHAT, {"messages": HELLO, **body})
     assert status == 200, whole
     sock, resp = open_stream(server, CHAT, {"messages": HELLO, **body})
@@ -4534,9 +4576,10 @@ class FakeEvent:
 def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_its_blocks(
     monkeypatch,
 ):
-    """Copies to host and loads each have a stream and a queue: a load issued while an eviction is in
-    flight does not wait for it (both are in flight at once), unless the eviction fills the very host
-    blocks the load reads: then it waits for exactly those, and the KV loaded is the KV evicted."""
+    """Copies to host and loads each have a stream and a queue: a load issued while an eviction is
+    in flight does not wait for it (both are in flight at once), unless the eviction fills the very
+    host blocks the load reads: then it waits for exactly those, and the KV loaded is the KV
+    evicted."""
     shape = (2, 4, 2, 8)  # layers, block_size, kv_heads, head_dim
     monkeypatch.setattr(
         "nanoflow.swap.STAGING_BYTES", 2 * 2 * 2 * 4 * 2 * 8 * 4
@@ -4636,7 +4679,7 @@ def test_max_waiting_counts_only_requests_that_cannot_start_soon(server, gate, m
 # ------------------------------------------------ issue 28: tensor parallelism
 # Two ranks on this CPU over gloo, each a process; tiny random-weight checkpoints keep them quick.
 
-from nanoflow import dist  # noqa: E402
+from nanoflow import dist
 
 
 @contextlib.contextmanager
@@ -4770,7 +4813,7 @@ def test_tensor_parallel_under_torchrun(ckpt, tmp_path):
 def process_state(pid: int) -> tuple[int, str] | None:
     """(parent pid, state letter) of a process from /proc; None once it is gone."""
     with contextlib.suppress(OSError):
-        text = open(f"/proc/{pid}/stat").read()
+        text = Path(f"/proc/{pid}/stat").read_text()
         state, ppid = text[text.rindex(")") + 2 :].split()[:2]
         return int(ppid), state
     return None
@@ -4822,7 +4865,7 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
         chunks = [c for _, c in sse(conn.getresponse())]
         assert chunks[-1] == "[DONE]" and len(chunks) > 2
         if end == "kill a worker":
-            [worker] = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+            [worker] = [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
             os.kill(worker, signal.SIGKILL)
             assert proc.wait(timeout=5) != 0
             assert f"worker nanoflow-rank1 (pid {worker}) died" in proc.stderr.read()
@@ -4858,14 +4901,15 @@ def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpu
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
 
 
-# ------------------------------------------------ issue 26: structured outputs and tool calling
-# The oracle is `jsonschema`: constrained output must parse and validate whatever the model's quality.
-# The demo model's template knows nothing of tools; a Hermes-style template stands in for one that does.
+# ------------------------------------------------ issue 26: structured outputs and tool calling The
+# oracle is `jsonschema`: constrained output must parse and validate whatever the model's quality.
+# The demo model's template knows nothing of tools; a Hermes-style template stands in for one that
+# does.
 
-import jsonschema  # noqa: E402
+import jsonschema
 
-import nanoflow.engine  # noqa: E402
-from nanoflow.tools import ToolCallStream, ToolRequest, parse_tool_calls  # noqa: E402
+import nanoflow.engine
+from nanoflow.tools import ToolCallStream, ToolRequest, parse_tool_calls
 
 SCHEMAS = [
     {
@@ -4960,11 +5004,13 @@ TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 # what Hermes-style templates (Qwen2.5's, NousResearch's) do with tools, calls and results
 TOOL_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
-    '{% endfor %}</tools>\nAnswer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
-    "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]"
-    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    'Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>"
+    "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -4979,10 +5025,13 @@ def valid_call(call: dict) -> dict:
 
 def test_tool_call_parsers_on_fixed_texts():
     names = ["get_weather", "get_time"]
-    calls = lambda text: [
-        (c["function"]["name"], json.loads(c["function"]["arguments"]))  # noqa: E731
-        for c in parse_tool_calls(text, names)[1]
-    ]
+
+    def calls(text):
+        return [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in parse_tool_calls(text, names)[1]
+        ]
+
     paris = ("get_weather", {"city": "Paris"})
     # Llama 3: bare JSON with "parameters", an optional <|python_tag|>, several separated by ';'
     assert calls('{"name": "get_weather", "parameters": {"city": "Paris"}}') == [paris]
@@ -4995,7 +5044,8 @@ def test_tool_call_parsers_on_fixed_texts():
     ]  # "required"'s array
     # Hermes / Qwen: <tool_call> blocks, two in one answer, text around them is content
     text = (
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        "Let me check.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
     )
     content, found = parse_tool_calls(text, names)
@@ -5007,7 +5057,8 @@ def test_tool_call_parsers_on_fixed_texts():
     # malformed, unknown or argument-less calls stay content, whole
     for text in [
         '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
-        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>oops</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+        "<tool_call>oops</tool_call>",
         '{"name": "launch_rockets", "parameters": {}}',
         '{"name": "get_weather"}',
         '{"city": "Paris"} and more',
@@ -5035,7 +5086,8 @@ def assembled(deltas: list[dict]) -> tuple[str, list]:
     [
         (
             "auto",
-            'I will look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+            "I will look.\n<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
             "\n</tool_call>",
         ),
         ("auto", ' {"name": "get_time", "parameters": {"zone": "CET"}}'),
@@ -5130,7 +5182,8 @@ def test_bad_structured_requests_get_400_and_reach_no_engine(server, monkeypatch
         assert status == 400 and words in err["error"]["message"], (extra, err)
     status, _, err = call(server, "POST", "/v1/completions", {"prompt": "hi", "tools": TOOLS})
     assert status == 400 and "chat" in err["error"]["message"]
-    monkeypatch.undo()  # the tiny model's own template shows no tools: the model cannot decide to call one
+    # the tiny model's own template shows no tools: the model cannot decide to call one
+    monkeypatch.undo()
     got = capture_params(server, monkeypatch)
     status, _, err = call(server, "POST", CHAT, {"messages": HELLO, "tools": TOOLS})
     assert (
@@ -5144,7 +5197,8 @@ def test_bad_structured_requests_get_400_and_reach_no_engine(server, monkeypatch
 
 
 def demo_twin(demo, **options) -> LLM:
-    """An engine of its own (pool, policy) on the demo fixture's weights, without loading them again."""
+    """An engine of its own (pool, policy) on the demo fixture's weights, without loading them
+    again."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(nanoflow.engine, "load_model", lambda *a: (demo.engine.model, demo.tokenizer))
         return LLM(device="cpu", **options)
@@ -5163,7 +5217,8 @@ def schema_prompt(schema: dict) -> list[dict]:
     600
 )  # ~45 steps at batch 7 of the demo model: 60 s alone, 250 s on a busy 2-core machine
 def test_json_schemas_validate_on_the_demo_model(demo):
-    """Greedy and sampled, each with its own matcher in one batch; the unconstrained row is left alone."""
+    """Greedy and sampled, each with its own matcher in one batch; the unconstrained row is left
+    alone."""
     params = [
         SamplingParams(temperature=t, seed=i, max_tokens=100, json_schema=s)
         for i, s in enumerate(SCHEMAS)
@@ -5189,8 +5244,9 @@ def constrained_baseline(demo):
 
 @pytest.mark.parametrize("resume", ["recompute", "load"])
 def test_constrained_decoding_under_preemption(demo, constrained_baseline, resume):
-    """Preempted every few steps, mid-prompt and mid-output, and resumed by recompute or by load: the
-    same greedy tokens, all valid. A recompute that re-fed its matcher would leave it in error or elsewhere."""
+    """Preempted every few steps, mid-prompt and mid-output, and resumed by recompute or by load:
+    the same greedy tokens, all valid. A recompute that re-fed its matcher would leave it in error
+    or elsewhere."""
     prompts, params, expected = constrained_baseline
     llm = demo_twin(
         demo, num_kv_blocks=64, host_kv_gb=0.05, max_num_batched_tokens=32, policy=Forced(3, resume)
@@ -5307,8 +5363,9 @@ def test_forced_tool_calls_are_valid_and_stream_the_same(demo_server, tool_choic
 
 
 def test_a_tool_loop_continues(demo_server, monkeypatch):
-    """The assistant's call (content null) and the tool's result go back into the template: as text for the
-    demo's template, which knows no tools; as `tool_calls` and `tool_call_id` for one that does."""
+    """The assistant's call (content null) and the tool's result go back into the template: as text
+    for the demo's template, which knows no tools; as `tool_calls` and `tool_call_id` for one that
+    does."""
     got = capture_params(demo_server, monkeypatch)
     call_id = "call_abc123"
     loop = ASK + [
@@ -5355,14 +5412,14 @@ def test_a_tool_loop_continues(demo_server, monkeypatch):
     assert got[-1][1].json_schema is None  # "auto": the model decides, unconstrained
 
 
-# ------------------------------------------------ issue 25: tests that catch policy mistakes and the newest paths
-# Small scenes whose expected decisions are derived by hand in a comment; the newest paths (host-tier
-# prefix loads, demotion, `n`, logprobs, keep-alive) beyond their happy path. tools/mutate.py plants
-# one-line bugs and reports which of these (and the older tests) catch them.
+# --------------------------------- issue 25: tests that catch policy mistakes and the newest paths
+# Small scenes whose expected decisions are derived by hand in a comment; the newest paths
+# (host-tier prefix loads, demotion, `n`, logprobs, keep-alive) beyond their happy path.
+# tools/mutate.py plants one-line bugs and reports which of these (and the older tests) catch them.
 
-import queue  # noqa: E402
+import queue
 
-from nanoflow.kv import build_metadata  # noqa: E402
+from nanoflow.kv import build_metadata
 
 
 def fcfs_admission(
@@ -5455,7 +5512,8 @@ def test_a_running_reader_keeps_its_decode_tokens_during_a_long_prefill():
 
 
 class LoadWhenFaster(FCFS):
-    """FCFS that evicts to host and resumes by load when the scheduler says a load beats recompute."""
+    """FCFS that evicts to host and resumes by load when the scheduler says a load beats
+    recompute."""
 
     evicts_to_host = True
 
@@ -5485,7 +5543,8 @@ def test_load_or_recompute_by_hand(prefill_rate, backlog, by_load):
 
 
 def prompt_kv(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """The KV of every prompt position, from one uncached prefill: [layers, K/V, len, heads, dim]."""
+    """The KV of every prompt position, from one uncached prefill: [layers, K/V, len, heads,
+    dim]."""
     eng = llm.engine
     table: list[int] = []
     assert eng.kv.grow(table, len(prompt))
@@ -5497,10 +5556,10 @@ def prompt_kv(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 def test_a_prefix_found_on_the_device_then_on_host_lands_in_the_right_blocks(ckpt):
-    """A 5-block prompt computed once; the device keeps its first 2 blocks and demotes the other 3 to
-    host. A second prompt that extends it shares the 2 device blocks and loads the 3 others into new
-    blocks: the KV of every block, shared, loaded and computed, is a fresh prefill's, and the shared
-    blocks were not written."""
+    """A 5-block prompt computed once; the device keeps its first 2 blocks and demotes the other 3
+    to host. A second prompt that extends it shares the 2 device blocks and loads the 3 others into
+    new blocks: the KV of every block, shared, loaded and computed, is a fresh prefill's, and the
+    shared blocks were not written."""
     llm = LLM(ckpt, device="cpu", num_kv_blocks=12, host_kv_gb=0.01, policy="fcfs")
     engine, kv = llm.engine, llm.engine.kv
     s = engine.scheduler
@@ -5603,8 +5662,9 @@ def test_requests_asking_for_different_numbers_of_logprobs_in_one_step(ckpt):
 
 
 def test_keepalive_comments_are_spaced_by_the_interval_on_a_fake_clock(monkeypatch):
-    """A stream's delta queue polled every 1/8 s of a fake clock: with KEEPALIVE_S = 5 a comment goes
-    out once 5 s passed in silence (at 5.125 s), then 5.125 s after the last comment or delta."""
+    """A stream's delta queue polled every 1/8 s of a fake clock: with KEEPALIVE_S = 5 a comment
+    goes out once 5 s passed in silence (at 5.125 s), then 5.125 s after the last comment or
+    delta."""
     now = [0.0]
     monkeypatch.setattr(
         serve, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time)
@@ -5640,9 +5700,9 @@ def test_qoe_counts_from_arrival_and_a_late_reader_by_hand():
     is a sum of multiples of 1/20, so each number below is exact up to rounding.
     late: arrives at 10, first token at 12: reads 12, 12.25, 13 against 11.3, 11.55, 11.8: late
       0.7 + 0.7 + 1.2 = 2.6 out of 2 + 2.25 + 3 = 7.25 s since arrival; stalls 13 - 12.5 = 0.5.
-    early: arrives at 1, three tokens at 1.5, the fourth at 4: reads 1.5, 1.75, 2, 4 against 2.3, 2.55,
-      2.8, 3.05: late 0.95 of 0.5 + 0.75 + 1 + 3 = 5.25; stalls 4 - 2.25 = 1.75. Its third token finds
-      one unread (buffer 1 > 0.2 x 4): weight 0.
+    early: arrives at 1, three tokens at 1.5, the fourth at 4: reads 1.5, 1.75, 2, 4 against 2.3,
+      2.55, 2.8, 3.05: late 0.95 of 0.5 + 0.75 + 1 + 3 = 5.25; stalls 4 - 2.25 = 1.75. Its third
+      token finds one unread (buffer 1 > 0.2 x 4): weight 0.
     steady: arrives at 5, tokens at 5.5, 5.75, 6, each read as made: on time, QoE 1, no stall."""
     late = RequestRecord(10.0, [12.0, 12.0, 13.0], 4.0)
     early = RequestRecord(1.0, [1.5, 1.5, 1.5, 4.0], 4.0)
@@ -5655,7 +5715,8 @@ def test_qoe_counts_from_arrival_and_a_late_reader_by_hand():
     )  # ideal 12, 12.25, 12.5
     assert effective_weights(early.token_times, 4.0) == [1.0, 1.0, 0.0, 1.0]
     s = summarize([late, early, steady], makespan=5.0)
-    # ttfts 2, 0.5, 0.5; tbts 0, 1 | 0, 0, 2.5 | 0.25, 0.25: sorted, p99 at 0.99 x 6 = 5.94 of 7 values
+    # ttfts 2, 0.5, 0.5; tbts 0, 1 | 0, 0, 2.5 | 0.25, 0.25: sorted, p99 at 0.99 x 6 = 5.94 of 7
+    # values
     assert s == {
         "ttft_mean": pytest.approx(1.0),
         "ttft_p50": pytest.approx(0.5),
@@ -5675,10 +5736,11 @@ def test_qoe_counts_from_arrival_and_a_late_reader_by_hand():
 
 
 def test_a_host_copy_that_becomes_the_only_copy_moves_behind_older_host_blocks():
-    """Device 2 blocks, host 4. Hashes 9, 10 are demoted to host. Hashes 1, 2 are computed and written
-    through: while the device holds them, host's copies are the first to go (host LRU: 1, 2, 10, 9).
-    Then the device drops 1 and 2: host's copies are the only ones now, used later than 9 and 10, so
-    they move behind them (10, 9, 2, 1): host's next two blocks are taken from 10 and 9."""
+    """Device 2 blocks, host 4. Hashes 9, 10 are demoted to host. Hashes 1, 2 are computed and
+    written through: while the device holds them, host's copies are the first to go (host LRU: 1, 2,
+    10, 9). Then the device drops 1 and 2: host's copies are the only ones now, used later than 9
+    and 10, so they move behind them (10, 9, 2, 1): host's next two blocks are taken from 10 and
+    9."""
     shape = (1, 4, 1, 8, torch.float32, torch.device("cpu"))
     device, host = KVPool(2, *shape), KVPool(4, *shape, host=True)
     swapper = Swapper(device, host)
@@ -5702,7 +5764,8 @@ def test_a_host_copy_that_becomes_the_only_copy_moves_behind_older_host_blocks()
 
 
 def test_recompute_after_preemption_without_prefix_caching(ckpt):
-    """Without prefix caching nothing else resets a recomputed request's progress: preemption must."""
+    """Without prefix caching nothing else resets a recomputed request's progress: preemption
+    must."""
     prompts = random_prompts(4, TINY["vocab_size"], seed=43, lengths=(20, 50))
     expected = [
         o.token_ids for o in LLM(ckpt, device="cpu", num_kv_blocks=64).generate(prompts, GREEDY)
@@ -5721,7 +5784,8 @@ def test_recompute_after_preemption_without_prefix_caching(ckpt):
 
 
 def test_a_freed_table_leaves_the_device_cache_tail_first():
-    """A prompt's head is what later prompts share: of a freed 3-block table, the tail goes first."""
+    """A prompt's head is what later prompts share: of a freed 3-block table, the tail goes
+    first."""
     pool = KVPool(3, 1, 4, 1, 8, torch.float32, torch.device("cpu"))
     table: list[int] = []
     assert pool.grow(table, 12)
@@ -5733,8 +5797,8 @@ def test_a_freed_table_leaves_the_device_cache_tail_first():
 
 
 def test_a_request_started_with_less_room_than_its_prompt_computes_what_fits():
-    """A 100-token prompt started on a 4-block pool (64 slots): its first chunk is the 64 tokens that
-    fit, in all 4 blocks, not a chunk of 100 without blocks."""
+    """A 100-token prompt started on a 4-block pool (64 slots): its first chunk is the 64 tokens
+    that fit, in all 4 blocks, not a chunk of 100 without blocks."""
     engine = sim_engine(toy_cost(num_kv_blocks=4), "fcfs")
     s = engine.scheduler
     req = engine.add_request([1] * 100, SamplingParams(max_tokens=10, ignore_eos=True))
@@ -5744,8 +5808,9 @@ def test_a_request_started_with_less_room_than_its_prompt_computes_what_fits():
 
 
 def test_a_stop_string_before_min_tokens_does_not_stop(ckpt):
-    """As vLLM: min_tokens holds off stop strings as it holds off EOS. A stop string found only in the
-    first 8 tokens' text stops a request, but not one with min_tokens 16: it runs to its length."""
+    """As vLLM: min_tokens holds off stop strings as it holds off EOS. A stop string found only in
+    the first 8 tokens' text stops a request, but not one with min_tokens 16: it runs to its
+    length."""
     llm = LLM(ckpt, device="cpu", num_kv_blocks=64)
     prompt = clean_text_prompt(llm)
     greedy = llm.generate([prompt], GREEDY)[0]
@@ -5793,8 +5858,9 @@ def test_simulated_copies_in_one_direction_queue_behind_each_other():
 
 
 def test_preemptable_needs_a_buffer_of_mu_switches_by_hand():
-    """Toy preset: a switch evicts 7 blocks and loads them back, 14 x 16 tokens x 1000 B over 1 MB/s =
-    0.224 s (recompute: 101 tokens at 100/s = 1.01 s), plus the interval 1.5 and a step 0.02: 1.744 s.
+    """Toy preset: a switch evicts 7 blocks and loads them back, 14 x 16 tokens x 1000 B over
+    1 MB/s = 0.224 s (recompute: 101 tokens at 100/s = 1.01 s), plus the interval 1.5 and a step
+    0.02: 1.744 s.
     A comeback needs a switch and an interval ahead (lead 3.244 s); preemption also wants mu - 1 = 1
     more switch of reading: 4.988 s of buffer."""
     engine = sim_engine(toy_cost(), "tokenflow")
@@ -5810,9 +5876,9 @@ def test_preemptable_needs_a_buffer_of_mu_switches_by_hand():
 
 
 def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand():
-    """Three running readers of 7 blocks each fill 21 of 24 blocks; a newcomer needs 7 (101 tokens): 4 short.
-    All three can wait (buffers 6, 9 and 12 s against ~5 s needed); the one that runs dry last goes,
-    and its 7 blocks are enough: nobody else."""
+    """Three running readers of 7 blocks each fill 21 of 24 blocks; a newcomer needs 7 (101 tokens):
+    4 short. All three can wait (buffers 6, 9 and 12 s against ~5 s needed); the one that runs dry
+    last goes, and its 7 blocks are enough: nobody else."""
     engine = sim_engine(toy_cost(num_kv_blocks=24), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     reqs = [running_request(engine, 100, 500) for _ in range(3)]
@@ -5829,11 +5895,11 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
 
 def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     """Prompt tokens are cut so that the least-buffered running reader does not run dry during the
-    step; but a reader that reads more than a token per step (10 tok/s against 0.25 s steps) runs dry
-    whatever the budget, and must not hold newcomers back (multi-turn chat on the CPU: a turn's prompt
-    waited 1.4-2 s behind readers at 20 tok/s). The other reader (2 tok/s) has 0.75 s of slack: less
-    a 0.25 s step, at 100 prompt tokens/s, 50 prompt tokens, plus the two decodes: 52. (The newcomer's
-    10 tokens of output are too few to outweigh a stall: see the next test.)"""
+    step; but a reader that reads more than a token per step (10 tok/s against 0.25 s steps) runs
+    dry whatever the budget, and must not hold newcomers back (multi-turn chat on the CPU: a turn's
+    prompt waited 1.4-2 s behind readers at 20 tok/s). The other reader (2 tok/s) has 0.75 s of
+    slack: less a 0.25 s step, at 100 prompt tokens/s, 50 prompt tokens, plus the two decodes: 52.
+    (The newcomer's 10 tokens of output are too few to outweigh a stall: see the next test.)"""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     fast, slow = (
@@ -5940,8 +6006,9 @@ def test_tiny_prompt_chunks_do_not_drag_the_prefill_rate_down_by_hand():
     prompt chunk of ~20 tokens a step, and such a step (2 decodes + 20 prompt tokens) takes 0.05 s,
     almost all of it the decode's 0.035 s. Learned from it, the prefill rate sank toward 20 / 0.05 =
     400 tokens/s (after ten steps 400 + 850 x 0.8^10 = 491), the next chunks shrank with it, and a
-    new turn waited seconds. A step teaches the prefill rate only when its prompts, at the rate known,
-    take longer than its decodes: 20 / 1,250 = 0.016 s < 0.035 s is skipped; 500 tokens are not."""
+    new turn waited seconds. A step teaches the prefill rate only when its prompts, at the rate
+    known, take longer than its decodes: 20 / 1,250 = 0.016 s < 0.035 s is skipped; 500 tokens are
+    not."""
     rates = StepRates()
     rates.observe(0.4, 500, 0)  # a first prompt: 1,250 tokens/s
     for _ in range(5):
@@ -5955,11 +6022,11 @@ def test_tiny_prompt_chunks_do_not_drag_the_prefill_rate_down_by_hand():
 
 def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
     """Steps of 90-110 requests fit a steep line: 10 ms at 100 requests, +0.4 ms a request (moments
-    b = 100, t = 0.01, E[b^2] = 10,100, E[b x t] = 1.04: slope (1.04 - 1.0) / 100). Extrapolated down
-    to 50 requests the line gives -10 ms, and the old floor (a tenth of the step, 1 ms) promised
-    50,000 tokens/s where 100 requests made 10,000: a capacity ten times too kind. A decode step
-    reads the weights whatever its batch: below the batch measured, a step takes what was measured
-    (50 requests: 10 ms, 5,000 tokens/s). Above, the line."""
+    b = 100, t = 0.01, E[b^2] = 10,100, E[b x t] = 1.04: slope (1.04 - 1.0) / 100). Extrapolated
+    down to 50 requests the line gives -10 ms, and the old floor (a tenth of the step, 1 ms)
+    promised 50,000 tokens/s where 100 requests made 10,000: a capacity ten times too kind. A decode
+    step reads the weights whatever its batch: below the batch measured, a step takes what was
+    measured (50 requests: 10 ms, 5,000 tokens/s). Above, the line."""
     rates = StepRates()
     rates.decode_moments = (100.0, 0.01, 10_100.0, 1.04)
     assert rates.decode_time(50) == pytest.approx(0.01)
@@ -5968,14 +6035,15 @@ def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
 
 
 # A fast regime guard: three small rows of the regime matrix, the scheduler's time off the clock
-# (deterministic), both policies. Each row must pass the matrix's bar, and tokenflow must stay within
-# 10% of what it reached when this was recorded (2026-12-01): a policy change that makes a regime worse
-# fails here, in seconds, not only in the ten-minute matrix.
+# (deterministic), both policies. Each row must pass the matrix's bar, and tokenflow must stay
+# within 10% of what it reached when this was recorded (2026-12-01): a policy change that makes a
+# regime worse fails here, in seconds, not only in the ten-minute matrix.
 GUARD_BASE = (
     "--simulate --uncharged --preset h200-llama3-8b --prompt-len 512 --output-len 1024 --seed 0 "
     "--num-kv-blocks 3000"
 )
-GUARD_ROWS = [  # (row, arguments, recorded: tokenflow's TTFT p99 / fcfs's, QoE >= 0.95 share, TTFT-SLO share)
+# (row, arguments, recorded: tokenflow's TTFT p99 / fcfs's, QoE >= 0.95 share, TTFT-SLO share)
+GUARD_ROWS = [
     ("burst", "--burst 100 --read-rate 20", (2.016 / 14.761, 1.0, 0.97)),
     ("past capacity", "--burst 100 --read-rate 40", (3.464 / 14.761, 0.59, 0.59)),
     ("poisson", "--poisson 8 --duration 15 --read-rate 20", (0.175 / 2.522, 1.0, 1.0)),
@@ -5992,12 +6060,12 @@ def test_regime_guard(row, extra, recorded):
     assert tokenflow["ttft_slo_share"] >= 0.9 * slo_share
 
 
-# ------------------------------------------------ issue 30: a fleet of replicas behind the routers people run
+# ------------------------------------- issue 30: a fleet of replicas behind the routers people run
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from nanoflow import fleet  # noqa: E402
-from nanoflow.metrics import Metrics  # noqa: E402
+from nanoflow import fleet
+from nanoflow.metrics import Metrics
 
 
 def parsed_metrics(text: str) -> dict[tuple[str, tuple], float]:
@@ -6010,8 +6078,8 @@ def parsed_metrics(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_fleet_metrics_carry_vllms_gauges_and_the_buffer_signal():
-    """A known queue and pool: 6 requests on 10 blocks of 16 tokens (3 blocks each at full length) run 3,
-    queue 3; the gauges under vLLM's names and the buffer signal match the engine's state."""
+    """A known queue and pool: 6 requests on 10 blocks of 16 tokens (3 blocks each at full length)
+    run 3, queue 3; the gauges under vLLM's names and the buffer signal match the engine's state."""
     engine = sim_engine("h200-llama3-8b", "tokenflow", num_kv_blocks=10, host_kv_gb=0)
     rates = [5.0, 10.0, 20.0, 40.0, 8.0, 8.0]
     for rate in rates:
@@ -6080,7 +6148,8 @@ def test_fleet_of_one_is_the_single_engine(router):
 
 
 class Watching(fleet.LeastQueue):
-    """Least-queue that checks, at each pick, what the router saw and where every replica's clock is."""
+    """Least-queue that checks, at each pick, what the router saw and where every replica's clock
+    is."""
 
     def __init__(self, engines, w):
         super().__init__()
@@ -6176,7 +6245,8 @@ def test_fleet_bench_table(tmp_path, capsys):
 
 
 def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
-    """Doubling from --replicas until a size is good, then bisecting: here sizes from 5 up are good."""
+    """Doubling from --replicas until a size is good, then bisecting: here sizes from 5 up are
+    good."""
     tried = []
 
     def fake(engine, w, label, router, args):
@@ -6193,16 +6263,16 @@ def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
     assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out
 
 
-# ------------------------------------------------ issue 24: cheap decisions, robustness as a measured property
+# ------------------------------------ issue 24: cheap decisions, robustness as a measured property
 
 
 def test_the_schedulers_shortcuts_skip_only_what_has_nothing_to_do():
-    """A randomized run (shared prefixes, mixed rates, a pool that forces preemption and write-through),
-    checked after every step against the full computations the shortcuts replace: every filled block of a
-    running request is named (the cache pass looks only at requests that filled one); the write-through
-    gets every request with an unsynced filled block, by buffer, largest first (a full sort); each
-    scheduled request has room for its tokens, decodes first; and the bounds urgency uses instead of the
-    switch estimate hold for every request."""
+    """A randomized run (shared prefixes, mixed rates, a pool that forces preemption and
+    write-through), checked after every step against the full computations the shortcuts replace:
+    every filled block of a running request is named (the cache pass looks only at requests that
+    filled one); the write-through gets every request with an unsynced filled block, by buffer,
+    largest first (a full sort); each scheduled request has room for its tokens, decodes first; and
+    the bounds urgency uses instead of the switch estimate hold for every request."""
     rng = random.Random(7)
     engine = sim_engine(
         toy_cost(num_kv_blocks=64, num_host_blocks=400), "tokenflow", enable_prefix_caching=True
@@ -6268,8 +6338,9 @@ def test_the_schedulers_shortcuts_skip_only_what_has_nothing_to_do():
 
 
 def test_step_time_jitter_is_seeded_and_bounded():
-    """--jitter F: each simulated step takes its modelled time (20 ms here) times a factor in [1-F, 1+F], drawn
-    from a generator seeded per run: the same seed repeats a run exactly, another seed does not."""
+    """--jitter F: each simulated step takes its modelled time (20 ms here) times a factor in [1-F,
+    1+F], drawn from a generator seeded per run: the same seed repeats a run exactly, another seed
+    does not."""
 
     def run(seed: int, jitter: float = 0.03):
         engine = sim_engine(toy_cost(), "tokenflow", jitter=jitter, seed=seed)
@@ -6291,8 +6362,9 @@ def test_step_time_jitter_is_seeded_and_bounded():
 
 
 def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch, capsys):
-    """--matrix --repeat K: K runs of a row, charged, with jitter seeds 0..K-1; the row printed is the worst run
-    (most misses, then the highest tokenflow TTFT p99) with the count of passing runs."""
+    """--matrix --repeat K: K runs of a row, charged, with jitter seeds 0..K-1; the row printed is
+    the worst run (most misses, then the highest tokenflow TTFT p99) with the count of passing
+    runs."""
     monkeypatch.setattr(
         bench,
         "MATRIX_BASE",
@@ -6326,10 +6398,10 @@ def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch,
     )
 
 
-# ------------------------------------------------ issue 43: the Anthropic Messages and OpenAI Responses APIs
-# Both translate onto the chat path; each is driven here by its official SDK from PyPI. The tiny server
-# checks shapes, order and counts (greedy, so that two requests make the same text); the demo model makes
-# the tool calls and JSON that a round trip needs.
+# -------------------------------------- issue 43: the Anthropic Messages and OpenAI Responses APIs
+# Both translate onto the chat path; each is driven here by its official SDK from PyPI. The tiny
+# server checks shapes, order and counts (greedy, so that two requests make the same text); the demo
+# model makes the tool calls and JSON that a round trip needs.
 
 WEATHER_TOOL = {
     "name": "get_weather",
@@ -6410,7 +6482,8 @@ def test_anthropic_messages_create_stream_and_count_tokens(server, monkeypatch):
     assert [name for name, _ in wire[:3]] == ["message_start", "ping", "content_block_start"]
 
     text = message.content[0].text
-    # a stop sequence (printable, where the random model writes some) cuts the text before its first match
+    # a stop sequence (printable, where the random model writes some) cuts the text before its first
+    # match
     stop = next(
         text[i : i + 2]
         for i in range(1, len(text))
@@ -6422,8 +6495,8 @@ def test_anthropic_messages_create_stream_and_count_tokens(server, monkeypatch):
 
 
 def test_anthropic_thinking_blocks(thinking_server, monkeypatch):
-    """`thinking` is the template's enable_thinking; with a reasoning parser the thinking comes back as a
-    thinking block, streamed as thinking_delta events."""
+    """`thinking` is the template's enable_thinking; with a reasoning parser the thinking comes back
+    as a thinking block, streamed as thinking_delta events."""
     force_output(thinking_server, monkeypatch, "<think>\nthe fox\n</think>\n\nhello world")
     got = capture_params(thinking_server, monkeypatch)
     client = anthropic_client(thinking_server)
@@ -7230,8 +7303,6 @@ def non_blank_lines(path) -> int:
 def test_the_reading_path_and_the_server_side_keep_to_their_sizes():
     """Non-blank lines after `ruff format`: the reading path (nanoflow/ but the server side and the
     bench side) at most 3,500, the server side at most 1,900 (README, "Reading the code")."""
-    from pathlib import Path
-
     sizes = Counter()
     for path in (Path(__file__).parent / "nanoflow").glob("*.py"):
         side = "server" if path.stem in SERVER_SIDE else "bench" if path.stem in BENCH_SIDE else ""

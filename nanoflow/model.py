@@ -378,7 +378,8 @@ def load_safetensors(ckpt: Path, cfg: ModelConfig, shard: Shard) -> dict[str, Te
     state = {}
     for file in shards:
         with safe_open(ckpt / file, "pt") as f:
-            state.update({name: shard.take(name, f.get_slice(name), cfg) for name in f.keys()})
+            names = f.keys()  # a safetensors file, not a dict: iterating it is not supported
+            state.update({name: shard.take(name, f.get_slice(name), cfg) for name in names})
     return state
 
 

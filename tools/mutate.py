@@ -313,7 +313,8 @@ MUTANTS = [
     M(
         "stop-string-across-tokens",
         "nanoflow/engine.py",
-        "found = {req.output_text.find(s, max(0, before - len(s) + 1)): s for s in req.params.stop}",
+        "found = {req.output_text.find(s, max(0, before - len(s) + 1)): s"
+        " for s in req.params.stop}",
         "found = {req.output_text.find(s, before): s for s in req.params.stop}",
         "sampling_seeded_topk_and_stops",
     ),
@@ -327,7 +328,8 @@ MUTANTS = [
     M(
         "stop-string-before-min-tokens",
         "nanoflow/engine.py",
-        "if req.num_output_tokens >= req.params.min_tokens and self._cut_at_stop_string(req, before):",
+        "if req.num_output_tokens >= req.params.min_tokens"
+        " and self._cut_at_stop_string(req, before):",
         "if self._cut_at_stop_string(req, before):",
         "before_min_tokens_does",
     ),

@@ -7252,3 +7252,103 @@ def test_every_planted_bug_still_finds_its_line():
     for m in mutate.MUTANTS:
         source = (mutate.ROOT / m.file).read_text()
         assert source.count(m.old) == 1, f"{m.name}: its line is gone from {m.file} or not unique"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of nanoflow/ and the modules of nanoflow/ it imports, function-level imports and
+    relative ones included (`from nanoflow import LLM`, a name of the package: `__init__`)."""
+    import ast
+    from pathlib import Path
+
+    paths = list((Path(__file__).parent / "nanoflow").glob("*.py"))
+    modules = {p.stem for p in paths}
+    graph = {}
+    for path in paths:
+        graph[path.stem] = imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names if "nanoflow." in a.name}
+            elif isinstance(node, ast.ImportFrom) and (node.level or node.module == "nanoflow"):
+                package = node.module in (None, "nanoflow")
+                names = [a.name for a in node.names] if package else [node.module.split(".")[-1]]
+                imported |= {n if n in modules else "__init__" for n in names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanoflow."):
+                imported.add(node.module.split(".")[1])
+        imported.discard(path.stem)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of imports, each once, as the modules along it (the first one again at the end)."""
+    circles = []
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph.get(path[-1], ())):
+            if nxt == path[0]:
+                circles.append(path + [nxt])
+            elif nxt not in path and nxt > path[0]:  # a circle is found from its smallest module
+                walk(path + [nxt])
+
+    for module in sorted(graph):
+        walk([module])
+    return circles
+
+
+def test_no_module_of_nanoflow_imports_itself_in_a_circle():
+    """A reader can read the files bottom up: no module needs, even inside a function, one that
+    needs it back (each file's docstring says what it may import)."""
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c", "a"]
+    ]
+    graph = import_graph()
+    assert {"kv", "sched"} <= graph["engine"] and "sched" in graph["__init__"]  # the walk sees
+    circles = [" -> ".join(c) for c in import_circles(graph)]
+    assert not circles, f"import circles: {circles}"
+
+
+def private_assignments(source: str) -> list[str]:
+    """Lines that set a private attribute (`_name`, not a dunder) of an object other than self or
+    cls: `x._name = ...` (also `+=`, annotated, in tuples) or `setattr(x, "_name", ...)`; a
+    setattr whose name is computed counts too, as nobody can tell what it sets."""
+    import ast
+
+    def private(name) -> bool:
+        return name.startswith("_") and not name.endswith("__")
+
+    def own(obj) -> bool:
+        return isinstance(obj, ast.Name) and obj.id in ("self", "cls")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            while any(isinstance(t, (ast.Tuple, ast.List, ast.Starred)) for t in targets):
+                targets = [t.value if isinstance(t, ast.Starred) else t for t in targets]
+                targets = [x for t in targets for x in getattr(t, "elts", [t])]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and private(t.attr) and not own(t.value):
+                    found.append(f"{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+        is_setattr = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr"
+        if is_setattr and len(node.args) >= 2 and not own(node.args[0]):
+            name = node.args[1]
+            if not isinstance(name, ast.Constant) or private(str(name.value)):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_sets_another_objects_private_attributes():
+    """Behaviour is changed through public, documented seams, never by patching another object's
+    private members (nanoflow/, bench.py, tools/; the tests may monkeypatch)."""
+    from pathlib import Path
+
+    planted = "x._a = 1\nself._b = 2\nx._c, (y._d, self.e) = 3, (4, 5)\nx.__doc__ = ''\n"
+    planted += "setattr(x, '_f', 6)\nsetattr(x, name, 7)\nsetattr(x, 'g', 8)\nself.h._i += 9\n"
+    assert sorted(line.split(":")[0] for line in private_assignments(planted)) == list("133568")
+    root = Path(__file__).parent
+    files = [*(root / "nanoflow").glob("*.py"), root / "bench.py", *(root / "tools").glob("*.py")]
+    found = [
+        f"{p.relative_to(root)}:{line}"
+        for p in files
+        for line in private_assignments(p.read_text())
+    ]
+    assert not found, f"private attributes set from outside: {found}"

@@ -7279,7 +7279,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every circle of imports, each once, as the modules along it (the first one again at the end)."""
+    """Every circle of imports, each once: the modules along it, the first one again at the end."""
     circles = []
 
     def walk(path: list[str]) -> None:

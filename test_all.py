@@ -144,9 +144,8 @@ def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     table: list[int] = []
     assert eng.kv.grow(table, len(prompt))
     meta, positions = build_metadata([table], [0], [len(prompt)], 0, eng.kv.block_size, eng.device)
-    logits = eng.model(
-        torch.tensor(prompt), positions, eng.kv_caches, meta, torch.arange(len(prompt))
-    )
+    # under tensor parallelism the runner sends the same call to the other ranks
+    logits = eng.runner.forward(torch.tensor(prompt), positions, meta, torch.arange(len(prompt)))
     eng.kv.free(table)
     return logits
 
@@ -207,7 +206,8 @@ def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
         device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64, policy="fcfs"
     )
     eager, padded = LLM(path, **options), LLM(path, **options)
-    graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
+    padded.engine.runner.capture(7, padded.engine.max_model_len, cuda_graphs=False)
+    graphs = padded.engine.runner.graphs
     assert graphs.sizes == [1, 2, 4, 7]
     batches = []
     run = graphs.run
@@ -1151,7 +1151,10 @@ def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
         policy=Forced(3, resume),
     )
     if graphs:
-        llm.engine.graphs = llm.engine.decode_graphs(capture=False)
+        engine = llm.engine
+        engine.runner.capture(
+            engine.scheduler.max_num_seqs, engine.max_model_len, cuda_graphs=False
+        )
     tokens, points = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
     stats = llm.stats()
@@ -2515,7 +2518,7 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
     assert (
         engine.kv.kv_cache.device.type == "cpu"
-        and engine.model.model.norm.weight.dtype == torch.bfloat16
+        and engine.runner.model.model.norm.weight.dtype == torch.bfloat16
     )
     assert engine.scheduler.swapper.host.num_blocks == int(0.001 * (1 << 30)) // block_bytes
     assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5
@@ -4588,11 +4591,13 @@ def test_simulated_link_carries_both_directions_at_once():
     assert engine.scheduler.swapper.async_copies
     swapper, now = engine.scheduler.swapper, engine.clock()
     block_s = swapper.transfer_time(1)
-    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out, into host blocks 0-99
-    assert swapper._to_device([200, 201], [0, 1]).at == pytest.approx(now + 2 * block_s)
+    swapper.copy_to_host(
+        list(range(100)), list(range(100))
+    )  # 100 blocks out, into host blocks 0-99
+    assert swapper.copy_to_device([200, 201], [0, 1]).at == pytest.approx(now + 2 * block_s)
     assert swapper.backlog() == pytest.approx(100 * block_s)
     assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
-    assert swapper._to_device([99], [2]).at == pytest.approx(now + 101 * block_s)
+    assert swapper.copy_to_device([99], [2]).at == pytest.approx(now + 101 * block_s)
 
 
 def test_a_cpu_presets_copies_hold_the_simulated_engine():
@@ -4602,9 +4607,9 @@ def test_a_cpu_presets_copies_hold_the_simulated_engine():
     engine = sim_engine("cpu-smollm2", "tokenflow")
     swapper, now = engine.scheduler.swapper, engine.clock()
     block_s = swapper.transfer_time(1)
-    swapper._to_host(list(range(10)), list(range(10)))
+    swapper.copy_to_host(list(range(10)), list(range(10)))
     assert engine.clock() == pytest.approx(now + 10 * block_s)
-    assert swapper._to_device([0, 1], [20, 21]).query()
+    assert swapper.copy_to_device([0, 1], [20, 21]).query()
     assert engine.clock() == pytest.approx(now + 12 * block_s) and swapper.backlog() == 0
 
 
@@ -4666,7 +4671,7 @@ def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
         assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
         whole = ("norm", "k_proj", "v_proj") if kv_heads == 1 else ("norm",)
         for (name, p), mine in zip(
-            one.engine.model.named_parameters(), llm.engine.model.parameters()
+            one.engine.runner.model.named_parameters(), llm.engine.runner.model.parameters()
         ):
             assert mine.numel() == p.numel() // (1 if any(w in name for w in whole) else 2), name
 
@@ -5146,7 +5151,9 @@ def test_bad_structured_requests_get_400_and_reach_no_engine(server, monkeypatch
 def demo_twin(demo, **options) -> LLM:
     """An engine of its own (pool, policy) on the demo fixture's weights, without loading them again."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nanoflow.engine, "load_model", lambda *a: (demo.engine.model, demo.tokenizer))
+        mp.setattr(
+            nanoflow.engine, "load_model", lambda *a: (demo.engine.runner.model, demo.tokenizer)
+        )
         return LLM(device="cpu", **options)
 
 
@@ -5490,7 +5497,7 @@ def prompt_kv(llm: LLM, prompt: list[int]) -> torch.Tensor:
     table: list[int] = []
     assert eng.kv.grow(table, len(prompt))
     meta, positions = build_metadata([table], [0], [len(prompt)], 0, eng.kv.block_size, eng.device)
-    eng.model(torch.tensor(prompt), positions, eng.kv_caches, meta, torch.tensor([len(prompt) - 1]))
+    eng.runner.forward(torch.tensor(prompt), positions, meta, torch.tensor([len(prompt) - 1]))
     kv = eng.kv.kv_cache[table].clone()  # [blocks, layers, K/V, block_size, heads, dim]
     eng.kv.free(table)
     return kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]
@@ -6727,7 +6734,7 @@ def script(engine, monkeypatch, text: str) -> list[int]:
                 logits[row, ids[req.num_output_tokens]] = 100.0
         return logits
 
-    monkeypatch.setattr(engine, "model", model)
+    monkeypatch.setattr(engine.runner, "model", model)
     monkeypatch.setattr(engine, "run", lambda batch: (sampled.append(batch.sampled), run(batch))[1])
     return ids
 

@@ -40,7 +40,6 @@ from nanoflow import LLM, SamplingParams
 from nanoflow.attention import decode_attention_triton
 from nanoflow.engine import (
     READ_RATE_MAX,
-    DecodeGraphs,
     EngineConfig,
     busy_cpu_seconds,
     clamp_read_rate,
@@ -49,6 +48,7 @@ from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
+from nanoflow.runner import DecodeGraphs
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig, make_policy
 from nanoflow.sim import LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate, kv_bytes_per_token
 from nanoflow.swap import Swapper

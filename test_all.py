@@ -146,9 +146,8 @@ def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     table: list[int] = []
     assert eng.kv.grow(table, len(prompt))
     meta, positions = build_metadata([table], [0], [len(prompt)], 0, eng.kv.block_size, eng.device)
-    logits = eng.model(
-        torch.tensor(prompt), positions, eng.kv_caches, meta, torch.arange(len(prompt))
-    )
+    # under tensor parallelism the runner sends the same call to the other ranks
+    logits = eng.runner.forward(torch.tensor(prompt), positions, meta, torch.arange(len(prompt)))
     eng.kv.free(table)
     return logits
 
@@ -209,7 +208,8 @@ def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
         device="cpu", num_kv_blocks=128, max_num_seqs=7, max_num_batched_tokens=64, policy="fcfs"
     )
     eager, padded = LLM(path, **options), LLM(path, **options)
-    graphs = padded.engine.graphs = padded.engine.decode_graphs(capture=False)
+    padded.engine.runner.capture(7, padded.engine.max_model_len, cuda_graphs=False)
+    graphs = padded.engine.runner.graphs
     assert graphs.sizes == [1, 2, 4, 7]
     batches = []
     run = graphs.run
@@ -1163,7 +1163,10 @@ def test_forced_preemption_gives_identical_tokens(tiny, resume, graphs):
         policy=Forced(3, resume),
     )
     if graphs:
-        llm.engine.graphs = llm.engine.decode_graphs(capture=False)
+        engine = llm.engine
+        engine.runner.capture(
+            engine.scheduler.max_num_seqs, engine.max_model_len, cuda_graphs=False
+        )
     tokens, points = run_checked(llm, prompts, GREEDY)
     assert tokens == expected
     stats = llm.stats()
@@ -2536,7 +2539,7 @@ def test_command_line_reaches_the_engine(ckpt, tmp_path, monkeypatch, request):
     assert engine.kv.num_blocks == 37 and engine.kv.kv_cache.dtype == torch.bfloat16
     assert (
         engine.kv.kv_cache.device.type == "cpu"
-        and engine.model.model.norm.weight.dtype == torch.bfloat16
+        and engine.runner.model.model.norm.weight.dtype == torch.bfloat16
     )
     assert engine.scheduler.swapper.host.num_blocks == int(0.001 * (1 << 30)) // block_bytes
     assert type(engine.scheduler.policy) is FCFS and engine.read_rate == 3.5
@@ -4631,11 +4634,13 @@ def test_simulated_link_carries_both_directions_at_once():
     assert engine.scheduler.swapper.async_copies
     swapper, now = engine.scheduler.swapper, engine.clock()
     block_s = swapper.transfer_time(1)
-    swapper._to_host(list(range(100)), list(range(100)))  # 100 blocks out, into host blocks 0-99
-    assert swapper._to_device([200, 201], [0, 1]).at == pytest.approx(now + 2 * block_s)
+    swapper.copy_to_host(
+        list(range(100)), list(range(100))
+    )  # 100 blocks out, into host blocks 0-99
+    assert swapper.copy_to_device([200, 201], [0, 1]).at == pytest.approx(now + 2 * block_s)
     assert swapper.backlog() == pytest.approx(100 * block_s)
     assert swapper.copy_done_in(3) == pytest.approx(5 * block_s)  # behind the 2 blocks loading only
-    assert swapper._to_device([99], [2]).at == pytest.approx(now + 101 * block_s)
+    assert swapper.copy_to_device([99], [2]).at == pytest.approx(now + 101 * block_s)
 
 
 def test_a_cpu_presets_copies_hold_the_simulated_engine():
@@ -4645,9 +4650,9 @@ def test_a_cpu_presets_copies_hold_the_simulated_engine():
     engine = sim_engine("cpu-smollm2", "tokenflow")
     swapper, now = engine.scheduler.swapper, engine.clock()
     block_s = swapper.transfer_time(1)
-    swapper._to_host(list(range(10)), list(range(10)))
+    swapper.copy_to_host(list(range(10)), list(range(10)))
     assert engine.clock() == pytest.approx(now + 10 * block_s)
-    assert swapper._to_device([0, 1], [20, 21]).query()
+    assert swapper.copy_to_device([0, 1], [20, 21]).query()
     assert engine.clock() == pytest.approx(now + 12 * block_s) and swapper.backlog() == 0
 
 
@@ -4709,7 +4714,7 @@ def test_tensor_parallel_logits_match_one_rank(tmp_path, arch, kv_heads):
         assert (engine_logits(llm, prompt) - expected).abs().max() <= 1e-4
         whole = ("norm", "k_proj", "v_proj") if kv_heads == 1 else ("norm",)
         for (name, p), mine in zip(
-            one.engine.model.named_parameters(), llm.engine.model.parameters()
+            one.engine.runner.model.named_parameters(), llm.engine.runner.model.parameters()
         ):
             assert mine.numel() == p.numel() // (1 if any(w in name for w in whole) else 2), name
 
@@ -5200,7 +5205,9 @@ def demo_twin(demo, **options) -> LLM:
     """An engine of its own (pool, policy) on the demo fixture's weights, without loading them
     again."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nanoflow.engine, "load_model", lambda *a: (demo.engine.model, demo.tokenizer))
+        mp.setattr(
+            nanoflow.engine, "load_model", lambda *a: (demo.engine.runner.model, demo.tokenizer)
+        )
         return LLM(device="cpu", **options)
 
 
@@ -5549,7 +5556,7 @@ def prompt_kv(llm: LLM, prompt: list[int]) -> torch.Tensor:
     table: list[int] = []
     assert eng.kv.grow(table, len(prompt))
     meta, positions = build_metadata([table], [0], [len(prompt)], 0, eng.kv.block_size, eng.device)
-    eng.model(torch.tensor(prompt), positions, eng.kv_caches, meta, torch.tensor([len(prompt) - 1]))
+    eng.runner.forward(torch.tensor(prompt), positions, meta, torch.tensor([len(prompt) - 1]))
     kv = eng.kv.kv_cache[table].clone()  # [blocks, layers, K/V, block_size, heads, dim]
     eng.kv.free(table)
     return kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]
@@ -6800,7 +6807,7 @@ def script(engine, monkeypatch, text: str) -> list[int]:
                 logits[row, ids[req.num_output_tokens]] = 100.0
         return logits
 
-    monkeypatch.setattr(engine, "model", model)
+    monkeypatch.setattr(engine.runner, "model", model)
     monkeypatch.setattr(engine, "run", lambda batch: (sampled.append(batch.sampled), run(batch))[1])
     return ids
 
@@ -7323,3 +7330,104 @@ def test_every_planted_bug_still_finds_its_line():
     for m in mutate.MUTANTS:
         source = (mutate.ROOT / m.file).read_text()
         assert source.count(m.old) == 1, f"{m.name}: its line is gone from {m.file} or not unique"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of nanoflow/ and the modules of nanoflow/ it imports, function-level imports and
+    relative ones included (`from nanoflow import LLM`, a name of the package: `__init__`)."""
+    import ast
+    from pathlib import Path
+
+    paths = list((Path(__file__).parent / "nanoflow").glob("*.py"))
+    modules = {p.stem for p in paths}
+    graph = {}
+    for path in paths:
+        graph[path.stem] = imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names if "nanoflow." in a.name}
+            elif isinstance(node, ast.ImportFrom) and (node.level or node.module == "nanoflow"):
+                package = node.module in (None, "nanoflow")
+                names = [a.name for a in node.names] if package else [node.module.split(".")[-1]]
+                imported |= {n if n in modules else "__init__" for n in names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanoflow."):
+                imported.add(node.module.split(".")[1])
+        imported.discard(path.stem)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of imports, each once: the modules along it, the first one again at the end."""
+    circles = []
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph.get(path[-1], ())):
+            if nxt == path[0]:
+                circles.append(path + [nxt])
+            elif nxt not in path and nxt > path[0]:  # a circle is found from its smallest module
+                walk(path + [nxt])
+
+    for module in sorted(graph):
+        walk([module])
+    return circles
+
+
+def test_no_module_of_nanoflow_imports_itself_in_a_circle():
+    """A reader can read the files bottom up: no module needs, even inside a function, one that
+    needs it back (each file's docstring says what it may import)."""
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c", "a"]
+    ]
+    graph = import_graph()
+    assert "runner" in graph["engine"] and graph["__init__"]  # the walk sees their imports
+    circles = [" -> ".join(c) for c in import_circles(graph)]
+    assert not circles, f"import circles: {circles}"
+
+
+def private_assignments(source: str) -> list[str]:
+    """Lines that set a private attribute (`_name`, not a dunder) of an object other than self or
+    cls: `x._name = ...` (also `+=`, annotated, in tuples) or `setattr(x, "_name", ...)`; a
+    setattr whose name is computed counts too, as nobody can tell what it sets."""
+    import ast
+
+    def private(name) -> bool:
+        return name.startswith("_") and not name.endswith("__")
+
+    def own(obj) -> bool:
+        return isinstance(obj, ast.Name) and obj.id in ("self", "cls")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            while any(isinstance(t, (ast.Tuple, ast.List, ast.Starred)) for t in targets):
+                targets = [t.value if isinstance(t, ast.Starred) else t for t in targets]
+                targets = [x for t in targets for x in getattr(t, "elts", [t])]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and private(t.attr) and not own(t.value):
+                    found.append(f"{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+        is_setattr = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr"
+        if is_setattr and len(node.args) >= 2 and not own(node.args[0]):
+            name = node.args[1]
+            if not isinstance(name, ast.Constant) or private(str(name.value)):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_sets_another_objects_private_attributes():
+    """Behaviour is changed through public, documented seams, never by patching another object's
+    private members (nanoflow/, the bench, tools/; the tests may monkeypatch)."""
+    from pathlib import Path
+
+    planted = "x._a = 1\nself._b = 2\nx._c, (y._d, self.e) = 3, (4, 5)\nx.__doc__ = ''\n"
+    planted += "setattr(x, '_f', 6)\nsetattr(x, name, 7)\nsetattr(x, 'g', 8)\nself.h._i += 9\n"
+    assert sorted(line.split(":")[0] for line in private_assignments(planted)) == list("133568")
+    root = Path(__file__).parent
+    files = [*root.glob("nanoflow/*.py"), *root.glob("bench*.py"), *root.glob("bench*/**/*.py")]
+    files += root.glob("tools/*.py")
+    found = [
+        f"{p.relative_to(root)}:{line}"
+        for p in files
+        for line in private_assignments(p.read_text())
+    ]
+    assert not found, f"private attributes set from outside: {found}"

@@ -3,7 +3,7 @@
 The engine hands every layer one flat batch of new tokens: first `num_decodes` sequences with one
 query token each, then prefill/extend chunks of any length on top of whatever prefix is already
 cached. Each sequence's KV lives in fixed-size blocks of the pool (kv.py) listed by its row of
-`block_tables`; `slot_mapping` says where each new token's K/V goes.
+`block_tables`; `slot_mapping` says where each new token's K/V goes. It imports no nanoflow module.
 
 Each operation has a plain-torch reference and, beside it, a Triton kernel. The references are the
 CPU path and the oracle that the kernels are tested against (on CPU through TRITON_INTERPRET=1).

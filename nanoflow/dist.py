@@ -1,10 +1,11 @@
 """Tensor parallelism: one process per rank over torch.distributed (NCCL on GPUs, gloo on CPUs).
 
 Rank 0 (the `LLM`'s process: scheduler, server, sampler) starts a worker per other rank (rank r on
-cuda:r), or joins the ranks torchrun started, maybe on several machines. Rank 0 broadcasts the
-inputs of each forward, CUDA graph replay and swap copy; every worker, with its shard of the weights
-and KV pools of the same block ids for its own KV heads, runs the same. A dead worker ends rank 0
-within a second, naming it; a worker whose rank 0 is gone exits; signals are rank 0's to act on.
+cuda:r), or joins the ranks torchrun started, maybe on several machines. Rank 0's `ModelRunner` and
+`Swapper` send each call (forward, CUDA graph replay, swap copy) through `Ranks.send`; every worker,
+with its shard of the weights and KV pools of the same block ids for its own KV heads, makes the
+same call on its own. A dead worker ends rank 0 within a second, naming it; a worker whose rank 0 is
+gone exits; signals are rank 0's to act on. It may import attention, kv, model, runner and swap.
 """
 
 import atexit
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 from .attention import AttnMetadata
 from .kv import KVPool
 from .model import Shard, load_model
+from .runner import ModelRunner
 from .swap import Swapper
 
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its workers and a worker its parent
@@ -73,32 +75,15 @@ def launch(ckpt, device: torch.device, size: int) -> Shard:
     return Shard(0, size)
 
 
-def lead(engine, swapper: Swapper | None, capture: bool) -> None:
-    """Give the workers the pools' shapes; with `capture`, capture the decode CUDA graphs together
-    with them. From now on each forward, replay and copy of rank 0 runs on every rank."""
-    kv = engine.kv
-    num_host_blocks = swapper.host.num_blocks if swapper else 0
-    graphs = (engine.scheduler.max_num_seqs, engine.max_model_len) if capture else None
-    _broadcast((kv.kv_cache.dtype, kv.num_blocks, kv.block_size, num_host_blocks, graphs))
-    if capture:  # every rank warms up and captures at once, so that their all-reduces meet
-        engine.graphs = engine.decode_graphs(capture=True)
-        engine.graphs.run = _mirrored("decode", engine.graphs.run)
+class Ranks:
+    """Rank 0's line to the other ranks, which first learn the KV pools' shapes: `send(name, *args)`
+    has each of them call its own runner's or swapper's method `name` with these args (`worker`)."""
 
-    def broadcast_inputs(_, args):
-        input_ids, positions, _caches, meta, logits_indices = args
-        _broadcast(("forward", (input_ids, positions, meta, logits_indices)))
+    def __init__(self, kv: KVPool, num_host_blocks: int):
+        _broadcast((kv.kv_cache.dtype, kv.num_blocks, kv.block_size, num_host_blocks))
 
-    engine.model.register_forward_pre_hook(broadcast_inputs)
-    for name in ("_to_host", "_to_device") if swapper else ():
-        setattr(swapper, name, _mirrored(name, getattr(swapper, name)))
-
-
-def _mirrored(name: str, call):
-    def broadcast_then_call(*args):
+    def send(self, name: str, *args) -> None:
         _broadcast((name, args))
-        return call(*args)
-
-    return broadcast_then_call
 
 
 def shutdown() -> None:
@@ -122,37 +107,27 @@ atexit.register(shutdown)
 
 
 def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.device) -> None:
-    """Rank `rank`: load this shard, then run every forward rank 0 broadcasts until told to stop."""
+    """Rank `rank`: load this shard, then make every call rank 0 sends until told to stop."""
     _init(rank, size, init_method, device)
     setup = _broadcast()
     if setup is None:  # rank 0 could not load its shard
         return
-    dtype, num_blocks, block_size, num_host_blocks, graphs = setup
+    dtype, num_blocks, block_size, num_host_blocks = setup
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))
     shape = model.kv_block_shape(block_size)
     kv = KVPool(num_blocks, *shape, dtype, device)
     host = KVPool(num_host_blocks, *shape, dtype, device, host=True) if num_host_blocks else None
+    runner = ModelRunner(model, kv)
     swapper = Swapper(kv, host) if host else None
-    caches = kv.layer_caches()
-    if graphs:
-        from .engine import DecodeGraphs, graph_sizes  # here: engine.py imports this module
-
-        max_num_seqs, max_model_len = graphs
-        graphs = DecodeGraphs(
-            model, caches, graph_sizes(max_num_seqs), max_model_len, block_size, capture=True
-        )
     while (msg := _broadcast()) is not None:
         name, args = msg
         args = [_on(x, device) for x in args]
-        if name == "forward":
-            input_ids, positions, meta, logits_indices = args
-            model(input_ids, positions, caches, meta, logits_indices)
-        elif name == "decode":
-            graphs.run(*args)
-        else:
+        if name.startswith("copy_to_"):
             getattr(swapper, name)(*args)
             # rank 0 orders its copies with events; a worker simply finishes each one
             swapper.complete_all()
+        else:  # forward, decode or capture
+            getattr(runner, name)(*args)
     dist.destroy_process_group()
 
 

@@ -1,7 +1,8 @@
 """The engine step loop and the public Python API (`LLM`), in vLLM's shape.
 
-`Engine.step()` schedules (sched.py), runs one forward over a flat batch (kv.py), samples, and
+`Engine.step()` schedules (sched.py), gets the logits from the runner (runner.py), samples, and
 postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and serve.py drive it.
+It may import any module but the server's and the bench's.
 """
 
 import argparse
@@ -14,10 +15,10 @@ from pathlib import Path
 import torch
 
 from . import dist
-from .attention import AttnMetadata
 from .grammar import Grammars, check_schema
-from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
-from .model import ModelConfig, Shard, Transformer, demo_checkpoint, generation_config, load_model
+from .kv import KVPool, kv_block_bytes
+from .model import ModelConfig, Shard, demo_checkpoint, generation_config, load_model
+from .runner import Batch, ModelRunner
 from .sampler import sample, token_logprobs
 from .sched import (
     POLICIES,
@@ -42,7 +43,6 @@ THREADS_CHECK_S = 1.0  # how often a CPU engine looks at what the rest of the ma
 OTHERS_BUSY, OTHERS_IDLE = 0.5, 0.2
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
-GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -133,11 +133,11 @@ class EngineConfig:
 
 
 class Engine:
-    """Owns the model, the KV pool and the scheduler; `step()` advances every running request."""
+    """Owns the model runner, the KV pool and the scheduler; `step()` advances every request."""
 
     def __init__(
         self,
-        model: Transformer | None,
+        runner: ModelRunner | None,
         config: ModelConfig,
         tokenizer: Tokenizer,
         scheduler: Scheduler,
@@ -146,15 +146,14 @@ class Engine:
         enforce_eager: bool = False,
         threads: "CpuThreads | None" = None,
     ):
-        self.model = model
+        self.runner = runner
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.clock = scheduler.clock
         self.read_rate = read_rate
-        self.device = self.kv.kv_cache.device if model else torch.device("cpu")
-        self.kv_caches = self.kv.layer_caches() if model else []
+        self.device = runner.device if runner else torch.device("cpu")
         self.max_model_len = _max_model_len(
             max_model_len, config.max_position_embeddings, self.kv.num_blocks * self.kv.block_size
         )
@@ -165,8 +164,8 @@ class Engine:
                 f"(sliding_window), which nanoflow does not implement: serve it with "
                 f"max_model_len <= {window} (now {self.max_model_len})"
             )
-        eager = enforce_eager or self.device.type != "cuda"
-        self.graphs = None if eager else self.decode_graphs(capture=True)
+        if not enforce_eager and self.device.type == "cuda":
+            runner.capture(scheduler.max_num_seqs, self.max_model_len, cuda_graphs=True)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammars = Grammars(tokenizer, config.vocab_size)
@@ -285,30 +284,8 @@ class Engine:
                 req.load_event = None
 
     def run(self, batch: "Batch") -> list[int]:
-        """One forward over the flat batch; one sampled token per request in `batch.sampled`."""
-        reqs = batch.reqs
-        computed = [req.num_computed_tokens for req in reqs]
-        meta, positions = build_metadata(
-            [r.block_table for r in reqs],
-            computed,
-            batch.query_lens,
-            batch.num_decodes,
-            self.kv.block_size,
-            self.device,
-        )
-        input_ids = [
-            t for r, c, n in zip(reqs, computed, batch.query_lens) for t in r.token_ids[c : c + n]
-        ]
-        ids = to_device(input_ids, torch.long, self.device)
-        decode_only = meta.num_decodes == len(batch.sampled) == len(reqs)
-        if self.graphs and decode_only:
-            logits = self.graphs.run(ids, positions, meta)
-        else:
-            ends = dict(zip(reqs, torch.tensor(batch.query_lens).cumsum(0).tolist()))
-            last_rows = [ends[req] - 1 for req in batch.sampled]
-            logits_indices = to_device(last_rows, torch.long, self.device)
-            # under tensor parallelism dist.lead's pre-hook first sends these to the other ranks
-            logits = self.model(ids, positions, self.kv_caches, meta, logits_indices)
+        """The runner's logits of the batch; one sampled token per request in `batch.sampled`."""
+        logits = self.runner.run(batch)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
         return tokens
@@ -330,17 +307,6 @@ class Engine:
         now = self.clock()  # one step makes its tokens at one moment (ties stay ties)
         for req, token in zip(batch.sampled, tokens):
             self._append_token(req, token, now)
-
-    def decode_graphs(self, capture: bool) -> "DecodeGraphs":
-        """Static decode buffers for every batch up to max_num_seqs; CUDA graphs if `capture`."""
-        return DecodeGraphs(
-            self.model,
-            self.kv_caches,
-            graph_sizes(self.scheduler.max_num_seqs),
-            self.max_model_len,
-            self.kv.block_size,
-            capture,
-        )
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.append(token, now)
@@ -375,109 +341,6 @@ class Engine:
         self.scheduler.finish(req, reason)
         req.matcher = None
         del self.requests[req.request_id], self.detokenizers[req.request_id]
-
-
-def graph_sizes(max_num_seqs: int) -> list[int]:
-    """The decode batch sizes the engine captures (under tensor parallelism, every rank alike)."""
-    sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]
-    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
-
-
-@dataclass
-class Batch:
-    """One step's work: the scheduled requests and how many new tokens each computes; `sampled`
-    are those that reach the end of their known tokens, so that a new token is sampled for them."""
-
-    reqs: list[Request]
-    query_lens: list[int]
-    sampled: list[Request]
-
-    @classmethod
-    def of(cls, scheduled: list[tuple[Request, int]]) -> "Batch":
-        sampled = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
-        return cls([r for r, _ in scheduled], [n for _, n in scheduled], sampled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(n == 1 for n in self.query_lens)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.query_lens) - self.num_decodes
-
-
-class DecodeGraphs:
-    """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
-    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
-
-    def __init__(
-        self,
-        model: Transformer,
-        kv_caches: list,
-        sizes: list[int],
-        max_model_len: int,
-        block_size: int,
-        capture: bool,
-    ):
-        self.model = model
-        self.kv_caches = kv_caches
-        self.sizes = sorted(sizes)
-        self.max_model_len = max_model_len
-        n = self.sizes[-1]
-        device = kv_caches[0][0].device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros_like(self.input_ids)
-        self.slot_mapping = torch.full_like(self.input_ids, -1)
-        self.rows = torch.arange(n, device=device)
-        self.block_tables = torch.zeros(
-            n, cdiv(max_model_len, block_size), dtype=torch.int32, device=device
-        )
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        if capture:
-            self._capture()
-
-    def _forward(self, size: int) -> torch.Tensor:
-        meta = AttnMetadata(
-            self.slot_mapping[:size],
-            self.block_tables[:size],
-            self.seq_lens[:size],
-            self.query_start_loc[: size + 1],
-            size,
-            [1] * size,
-            [self.max_model_len] * size,
-        )
-        return self.model(
-            self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.rows[:size]
-        )
-
-    def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its memory
-            self._forward(size)  # Triton compiles outside the capture
-            self.graphs[size] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[size], pool=pool):
-                self.logits[size] = self._forward(size)
-
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata
-    ) -> torch.Tensor:
-        """Logits of a decode-only batch: its rows first, then padding up to the next size."""
-        n = len(input_ids)
-        size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:size] = -1
-        self.block_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
-        self.seq_lens[:n] = meta.seq_lens
-        self.seq_lens[n:size] = 1
-        if size in self.graphs:
-            self.graphs[size].replay()
-            return self.logits[size][:n]
-        return self._forward(size)[:n]
 
 
 @dataclass
@@ -519,7 +382,8 @@ class LLM:
         kv = KVPool(blocks, *shape, dtype, device)
         host_blocks = int(c.host_kv_gb * (1 << 30)) // block_bytes
         host = KVPool(host_blocks, *shape, dtype, device, host=True) if host_blocks else None
-        swapper = Swapper(kv, host) if host_blocks else None
+        ranks = dist.Ranks(kv, host_blocks) if tp > 1 else None
+        swapper = Swapper(kv, host, ranks) if host_blocks else None
         scheduler = Scheduler(
             kv,
             c.max_num_seqs,
@@ -530,21 +394,18 @@ class LLM:
             c.tokenflow,
             c.enable_prefix_caching,
         )
-        # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead
         self.engine = Engine(
-            model,
+            ModelRunner(model, kv, ranks),
             model.config,
             self.tokenizer,
             scheduler,
             c.read_rate,
             c.max_model_len,
-            c.enforce_eager or tp > 1,
+            c.enforce_eager,
             threads,
         )
         if threads:
             log.info("compute: %s", threads.describe())
-        if tp > 1:
-            dist.lead(self.engine, swapper, capture=not c.enforce_eager and device.type == "cuda")
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

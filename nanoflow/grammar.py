@@ -2,7 +2,7 @@
 
 `response_format` and forced tool calls (tools.py) become `SamplingParams.json_schema`; each such
 request gets its own matcher, and `apply_bitmasks` sets the logits its grammar forbids to -inf.
-How, why llguidance, and what it costs: docs/structured-outputs.md.
+How, why llguidance, and what it costs: docs/structured-outputs.md. It imports no nanoflow module.
 """
 
 import functools

@@ -1,12 +1,12 @@
 """The paged KV pool: fixed-size blocks of KV memory, handed to requests as they grow.
 
 One tensor holds every block, block-major (docs/design.md, KV layout). A request's `block_table`
-lists its blocks; the scheduler asks the pool for room, and `Engine.run` gets the step's
+lists its blocks; the scheduler asks the pool for room, and `ModelRunner.run` gets the step's
 `slot_mapping` and `block_tables` from `build_metadata`. Prefix caching: a full block is named by a
 hash chained over its tokens and its parent's; blocks are reference-counted, and one nobody
 references stays cached (LRU) for prompts that start with it. The host pool is the cache's second
-tier, exclusive as far as it can be: the cached blocks the device drops move to host (`evicted`,
-swap.py's `demote`), and a host copy of what the device still holds is the first to go.
+tier, nearly exclusive: the cached blocks the device drops move to host (`evicted`, swap.py's
+`demote`); host copies of what the device holds go first. It may import attention.
 """
 
 import itertools

@@ -2,6 +2,7 @@
 
 While a browser watches, the engine thread builds snapshots (a row per request with its reader's
 buffer, the KV pools, tokens/s, recent preemptions and resumes); viewers' threads send them as SSE.
+It may import engine and sched.
 """
 
 import math

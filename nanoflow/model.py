@@ -1,5 +1,5 @@
 """The model: its config, the Llama-family forward (Llama, Mistral, Qwen2, Qwen3), its
-tensor-parallel shards, its weights.
+tensor-parallel shards, its weights. It may import attention and tokenizer.
 
 A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
 file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same

@@ -2,6 +2,7 @@
 
 The engine stops and counts tokens over the whole text; only the chat answer is split: the thinking
 (between <think> and </think>) goes to `reasoning_content`, as in vLLM, the rest to `content`.
+It imports no nanoflow module.
 """
 
 from collections.abc import Iterator

@@ -2,7 +2,7 @@
 
 `chat_body` turns a Responses body into a chat body, `Translation` the chat chunks into Responses'
 events and Response. Nothing is stored: `previous_response_id`, `conversation`, `store` and
-`background` are refused.
+`background` are refused. It may import anthropic.
 """
 
 import uuid

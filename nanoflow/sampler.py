@@ -3,7 +3,7 @@
 Logit bias, min_tokens, the repetition/frequency/presence penalties and the grammars of
 constrained requests (grammar.py) shape the logits;
 temperature, top_k, min_p and top_p shape each row's distribution; greedy rows take the argmax.
-Everything runs on the whole batch at once, with per-request seeds honoured.
+Everything runs on the whole batch at once, with per-request seeds honoured. It may import grammar.
 """
 
 import torch

@@ -1,9 +1,9 @@
 """Requests and the scheduler: who runs in the next engine step, with how many tokens, who waits.
 
-Each step spends a budget of `max_num_batched_tokens`: decodes first (so that readers never stall
-behind a long prompt), then prompt chunks, then waiting requests while memory allows. `Scheduler`
-is the mechanism (queues, KV blocks, swap, the budget); a policy decides who runs and who is
-preempted: `FCFS` (SGLang's default) or `TokenFlow` (buffer-aware), both in docs/scheduling.md.
+A step spends a budget of `max_num_batched_tokens`: decodes first (no reader stalls behind a
+prompt), then prompt chunks, then waiting requests while memory lasts. `Scheduler` is the mechanism
+(queues, blocks, swap, the budget); a policy picks who runs and who is preempted: `FCFS` (SGLang's)
+or `TokenFlow` (buffer-aware), both in docs/scheduling.md. It may import kv, metrics and swap.
 """
 
 from __future__ import annotations

@@ -269,11 +269,11 @@ class SimSwapper(Swapper):
             self.clock.advance_to(self.free_at[direction])
         return self.free_at[direction]
 
-    def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
+    def copy_to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
         self.filled_at.update(dict.fromkeys(host_ids, self._occupy("out", len(dev_ids))))
         self.counters["bytes_to_host"] += len(dev_ids) * self.block_bytes
 
-    def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> VirtualEvent:
+    def copy_to_device(self, host_ids: list[int], dev_ids: list[int]) -> VirtualEvent:
         """A load starts once the copies that fill its host blocks are done (as Swapper._load)."""
         self.counters["bytes_to_device"] += len(host_ids) * self.block_bytes
         filled = max((self.filled_at.get(h, 0.0) for h in host_ids), default=0.0)

@@ -5,7 +5,7 @@ so preempting a request copies only its unsynced tail; resuming loads it into fr
 Full blocks keep their prefix-cache hashes on host: a second cache tier, which also takes the
 cached blocks the device drops (`demote`). On CUDA copies run on side streams, one per direction
 (the link is full duplex: a load never waits behind evictions), each through two staging buffers
-(docs/design.md); on CPU every copy completes at once.
+(docs/design.md); on CPU every copy completes at once. It may import kv.
 """
 
 import time
@@ -61,11 +61,13 @@ class AllDone:
 
 
 class Swapper:
-    """Moves whole KV blocks between the device pool and the host pool, and keeps their books."""
+    """Moves whole KV blocks between the device pool and the host pool, and keeps their books.
+    Every copy goes through `copy_to_host` or `copy_to_device`: the seam the simulator overrides."""
 
-    def __init__(self, device: KVPool, host: KVPool):
+    def __init__(self, device: KVPool, host: KVPool, ranks=None):
         self.device = device
         self.host = host
+        self.ranks = ranks
         self.block_bytes = device.bytes_per_block
         cache = device.kv_cache
         self.on_cuda = self.async_copies = cache.is_cuda
@@ -129,7 +131,7 @@ class Swapper:
         bs = self.device.block_size
         end = cdiv(num_tokens, bs)
         full = num_tokens // bs
-        self._to_host(req.block_table[start:end], req.host_block_table[start:end])
+        self.copy_to_host(req.block_table[start:end], req.host_block_table[start:end])
         req.num_host_tokens = num_tokens
         self.host.cache_blocks(req.host_block_table[start:full], req.block_hashes[start:full])
         return True
@@ -169,7 +171,7 @@ class Swapper:
                 hashes.append(h)
         self.device.evicted.clear()
         if blocks:
-            self._to_host(blocks, host_blocks)
+            self.copy_to_host(blocks, host_blocks)
             self.host.cache_blocks(host_blocks, hashes)
             # free() releases tail first: reversed, the least recently used block goes first
             self.host.free(host_blocks[::-1], after=self.pending_event())
@@ -180,7 +182,7 @@ class Swapper:
         self.demote()  # gathered before the load may overwrite the device blocks it drops
         while any(h in self.writing for h in host_ids):
             self._finish_oldest(self.out)
-        req.load_event = self._to_device(host_ids, dev_ids)
+        req.load_event = self.copy_to_device(host_ids, dev_ids)
 
     def forget(self, req) -> None:
         """Drop req's host copy (it finished, was aborted, or will be recomputed)."""
@@ -232,7 +234,10 @@ class Swapper:
 
     # ------------------------------------------------------------ chunked copies
 
-    def _to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
+    def copy_to_host(self, dev_ids: list[int], host_ids: list[int]) -> None:
+        """Issue copies of device blocks into host blocks (given `ranks`, on every rank)."""
+        if self.ranks:
+            self.ranks.send("copy_to_host", dev_ids, host_ids)
         for lo in range(0, len(dev_ids), self.chunk_blocks):
             src, dst = dev_ids[lo : lo + self.chunk_blocks], host_ids[lo : lo + self.chunk_blocks]
             dev, host = self._claim_slot(self.out, len(src))
@@ -250,7 +255,10 @@ class Swapper:
                 transfer.host_ids = dst
                 self.writing.update(dict.fromkeys(dst, transfer))
 
-    def _to_device(self, host_ids: list[int], dev_ids: list[int]) -> torch.cuda.Event | None:
+    def copy_to_device(self, host_ids: list[int], dev_ids: list[int]) -> torch.cuda.Event | None:
+        """Likewise into the device; returns the last copy's event (None if none is in flight)."""
+        if self.ranks:
+            self.ranks.send("copy_to_device", host_ids, dev_ids)
         for lo in range(0, len(host_ids), self.chunk_blocks):
             src = torch.tensor(host_ids[lo : lo + self.chunk_blocks])
             dev, host = self._claim_slot(self.back, len(src))

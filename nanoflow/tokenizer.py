@@ -3,7 +3,7 @@
 A HuggingFace folder's tokenizer.json and a GGUF file's byte-level BPE vocabulary both become the
 same `Tokenizer`: encode, decode, the EOS ids and the model's own chat template (rendered in a
 sandbox). `IncrementalDetokenizer` turns each new token into the text it adds, never half a
-character, for streaming.
+character, for streaming. It imports no nanoflow module.
 """
 
 import json

@@ -3,6 +3,7 @@
 `ToolRequest.of` checks a chat request's tools; "required" or a named function constrains the
 output (grammar.py). `parse_tool_calls` reads a model's calls back (Hermes' and Qwen's `<tool_call>`
 blocks, Llama 3's bare JSON), `ToolCallStream` a stream's. The details: docs/structured-outputs.md.
+It may import grammar and reasoning.
 """
 
 import json

@@ -599,6 +599,7 @@ SUBSETS = {
     "nanoflow/grammar.py": "format_rule or tool_rule or mixed_batch or bad_structured or compact",
     "nanoflow/reasoning.py": "reasoning or thinking",
     "nanoflow/dist.py": "tensor_parallel",
+    "nanoflow/runner.py": "padded or forced_preemption or logits_match or tensor_parallel",
     "nanoflow/fleet.py": "fleet",
     "nanoflow/swap.py": "swap or host or lanes or load or demotion or evict or forced_preemption",
     "nanoflow/sched.py": "tokenflow or by_hand or fcfs or preempt",

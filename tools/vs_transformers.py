@@ -24,12 +24,13 @@ def vs_transformers(args: argparse.Namespace) -> None:
     """LLM.generate against transformers' generate: the same prompts, greedy, to a fixed length."""
     path = Path(args.ckpt) if args.ckpt else demo_checkpoint()
     llm = LLM(path, dtype=args.dtype)
-    dtype = llm.engine.model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
+    model = llm.engine.runner.model
+    dtype = model.model.embed_tokens.weight.dtype  # what auto chose, for both engines
     print(f"dtype: {dtype}")
     gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     hf = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, dtype=dtype, **gguf)
     rng = random.Random(0)
-    vocab = llm.engine.model.config.vocab_size
+    vocab = model.config.vocab_size
     n_new = args.new_tokens
     prompt_len = round(parse_dist(args.prompt_len)[0])
     params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)

@@ -19,15 +19,9 @@ from .grammar import Grammars, check_schema
 from .kv import KVPool, build_metadata, cdiv, kv_block_bytes, to_device
 from .model import ModelConfig, Shard, Transformer, demo_checkpoint, generation_config, load_model
 from .sampler import sample, token_logprobs
-from .sched import (
-    POLICIES,
-    Policy,
-    Request,
-    RequestStatus,
-    SamplingParams,
-    Scheduler,
-    TokenFlowConfig,
-)
+from .policies import POLICIES, TokenFlowConfig, make_policy
+from .request import Request, RequestStatus, SamplingParams
+from .sched import Policy, Scheduler
 from .swap import Swapper
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -525,9 +519,8 @@ class LLM:
             c.max_num_seqs,
             c.max_num_batched_tokens,
             time.monotonic,
-            c.policy,
+            make_policy(c.policy, c.tokenflow),
             swapper,
-            c.tokenflow,
             c.enable_prefix_caching,
         )
         # under tensor parallelism the CUDA graphs are captured with the other ranks, in dist.lead

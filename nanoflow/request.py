@@ -44,79 +44,77 @@ class SamplingParams:
     json_schema: dict | None = None  # the output must be JSON valid against it (grammar.py)
 
     def __post_init__(self):
-        def check(name: str, ok: bool, rule: str):
-            if not ok:
-                got = getattr(self, name)
-                raise ValueError(f"SamplingParams.{name} must be {rule}, got {got!r}")
-
-        def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x) -> bool:
-            return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-        check("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1")
-        check("temperature", is_num(self.temperature) and self.temperature >= 0, "a number >= 0")
-        check("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]")
-        check("top_k", is_int(self.top_k) and self.top_k >= -1, "-1 or 0 (off) or an integer >= 1")
-        check("min_p", is_num(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            check(name, is_num(value) and -2 <= value <= 2, "a number in [-2, 2]")
-        penalty = self.repetition_penalty
-        check("repetition_penalty", is_num(penalty) and penalty > 0, "a number > 0")
-        least = self.min_tokens
-        check(
-            "min_tokens",
-            is_int(least) and 0 <= least <= self.max_tokens,
-            "an integer in [0, max_tokens]",
-        )
-        top = self.logprobs
-        check(
-            "logprobs",
-            top is None or (is_int(top) and 0 <= top <= MAX_LOGPROBS),
-            f"None or an integer in [0, {MAX_LOGPROBS}]",
-        )
+        """Checks every field against PARAM_RULES; `stop`, `stop_token_ids` and `logit_bias` come
+        back in one shape (a list, a list, a map of ints to floats)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = self.stop or []
         self.stop_token_ids = self.stop_token_ids or []
-        ids = self.stop_token_ids
-        check(
-            "stop_token_ids",
-            isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids),
-            "a list of token ids",
-        )
-        bias = self.logit_bias or {}
-        valid = lambda k, v: str(k).isdigit() and is_num(v) and abs(v) <= 100  # noqa: E731
-        check(
-            "logit_bias",
-            isinstance(bias, dict) and all(valid(k, v) for k, v in bias.items()),
-            "a map from token id to a number in [-100, 100]",
-        )
-        self.logit_bias = {int(k): float(v) for k, v in bias.items()}  # JSON keys are strings
-        seed = self.seed
-        check(
-            "seed",
-            seed is None or (is_int(seed) and -(2**63) <= seed < 2**64),
-            "a 64-bit integer or None",
-        )
-        check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
-        check(
-            "json_schema",
-            self.json_schema is None or isinstance(self.json_schema, dict),
-            "a JSON schema (a dict) or None",
-        )
-        rate = self.read_rate
-        check(
-            "read_rate",
-            rate is None or (is_num(rate) and rate > 0),
-            "a number > 0 (tokens/s) or None",
-        )
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        check(
-            "stop",
-            isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
-            "a non-empty string or a list of them",
-        )
-        self.stop = stops
+        self.logit_bias = self.logit_bias or {}
+        for name, (valid, rule) in PARAM_RULES.items():
+            if not valid(getattr(self, name), self):
+                raise ValueError(
+                    f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}"
+                )
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}  # JSON: str keys
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def is_bias(token, bias) -> bool:
+    return str(token).isdigit() and is_number(bias) and abs(bias) <= 100
+
+
+# field: (valid(value, params), what it must be)
+PARAM_RULES = {
+    "max_tokens": (lambda v, p: is_int(v) and v >= 1, "an integer >= 1"),
+    "temperature": (lambda v, p: is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v, p: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v, p: is_int(v) and v >= -1, "-1 or 0 (off) or an integer >= 1"),
+    "min_p": (lambda v, p: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "presence_penalty": (lambda v, p: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v, p: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "repetition_penalty": (lambda v, p: is_number(v) and v > 0, "a number > 0"),
+    "min_tokens": (
+        lambda v, p: is_int(v) and 0 <= v <= p.max_tokens,
+        "an integer in [0, max_tokens]",
+    ),
+    "logprobs": (
+        lambda v, p: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        f"None or an integer in [0, {MAX_LOGPROBS}]",
+    ),
+    "stop_token_ids": (
+        lambda v, p: isinstance(v, list) and all(is_int(t) and t >= 0 for t in v),
+        "a list of token ids",
+    ),
+    "logit_bias": (
+        lambda v, p: isinstance(v, dict) and all(is_bias(k, b) for k, b in v.items()),
+        "a map from token id to a number in [-100, 100]",
+    ),
+    "seed": (
+        lambda v, p: v is None or (is_int(v) and -(2**63) <= v < 2**64),
+        "a 64-bit integer or None",
+    ),
+    "ignore_eos": (lambda v, p: isinstance(v, bool), "a bool"),
+    "json_schema": (
+        lambda v, p: v is None or isinstance(v, dict),
+        "a JSON schema (a dict) or None",
+    ),
+    "read_rate": (
+        lambda v, p: v is None or (is_number(v) and v > 0),
+        "a number > 0 (tokens/s) or None",
+    ),
+    "stop": (
+        lambda v, p: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+        "a non-empty string or a list of them",
+    ),
+}
 
 
 class RequestStatus(enum.Enum):

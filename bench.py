@@ -48,8 +48,8 @@ from nanoflow.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
+from nanoflow.policies import POLICIES, TokenFlow, TokenFlowConfig, make_policy
 from nanoflow.runner import DecodeGraphs
-from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig, make_policy
 from nanoflow.sim import LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate, kv_bytes_per_token
 from nanoflow.swap import Swapper
 

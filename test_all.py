@@ -41,7 +41,8 @@ from nanoflow.kv import KVPool
 from nanoflow.model import demo_checkpoint
 from nanoflow.sampler import processed_logits, sample, sampling_probs
 from nanoflow.tokenizer import IncrementalDetokenizer
-from nanoflow.sched import FCFS, FCFSConfig, StepRates
+from nanoflow.policies import FCFS, FCFSConfig
+from nanoflow.sched import StepRates
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args
 from nanoflow.swap import Swapper
 
@@ -2626,7 +2627,8 @@ from nanoflow.metrics import (
     rebuffer_time,
     summarize,
 )
-from nanoflow.sched import Request, RequestStatus, TokenFlowConfig
+from nanoflow.policies import TokenFlowConfig
+from nanoflow.request import Request, RequestStatus
 from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine
 
 
@@ -2895,7 +2897,7 @@ def test_tokenflow_lets_the_last_newcomers_use_the_share_kept_for_switches(num_k
         newcomers = [engine.add_request([1] * 20, params) for _ in range(num_newcomers)]
         urgency = {r: policy.urgency(s, r, 0.0) for r in s.waiting}
         assert {u[0] for u in urgency.values()} == {1, 2}
-        members = policy.working_set(s, started, policy.lifetime_size(started), 95.0, urgency)
+        members = policy.working_set(s, started, s.lifetime_size(started), 95.0, urgency)
         assert members == started + newcomers[:joining]
         for req in newcomers:
             s.waiting.remove(req)
@@ -2971,7 +2973,7 @@ def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memor
     params = SamplingParams(max_tokens=32, ignore_eos=True, read_rate=20.0)
     newcomers = [engine.add_request([1] * 16, params) for _ in range(12)]
     urgency = {r: policy.urgency(s, r, 0.0) for r in s.waiting}
-    capacity = policy.capacity(s, 0, 0.0, policy.config.capacity_share)
+    capacity = s.capacity(0, 0.0, policy.config.capacity_share)
     assert capacity == 0.8 * s.max_num_seqs / 0.05  # what the empty engine's estimate says
     assert policy.working_set(s, [], 0.0, capacity, urgency) == newcomers[:8]
 
@@ -5897,7 +5899,7 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
     )
     policy.keep, policy.joining = set(), [newcomer]
     urgency = {r: policy.urgency(s, r, 0.0) for r in [*reqs, newcomer]}
-    assert policy.victims(s, 0.0, urgency) == [reqs[1]]
+    assert policy.preempt_largest_buffers(s, 0.0, urgency) == [reqs[1]]
 
 
 def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
@@ -5977,7 +5979,7 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     assert [urgency[r][0] for r in (paused, old, second, new)] == [0, 1, 1, 1]
     policy.overloaded = overloaded
     joined = [old] if overloaded else [old, second, new]
-    assert policy.working_set(s, [paused], policy.lifetime_size([paused]), 1000.0, urgency) == [
+    assert policy.working_set(s, [paused], s.lifetime_size([paused]), 1000.0, urgency) == [
         paused,
         *joined,
     ]

@@ -2,6 +2,6 @@
 It may import engine and sched (the public names); no module of nanoflow imports it."""
 
 from .engine import LLM, Output
-from .sched import SamplingParams
+from .request import SamplingParams
 
 __all__ = ["LLM", "Output", "SamplingParams"]

@@ -18,17 +18,11 @@ from . import dist
 from .grammar import Grammars, check_schema
 from .kv import KVPool, kv_block_bytes
 from .model import ModelConfig, Shard, demo_checkpoint, generation_config, load_model
+from .policies import POLICIES, TokenFlowConfig, make_policy
+from .request import Request, RequestStatus, SamplingParams
 from .runner import Batch, ModelRunner
 from .sampler import sample, token_logprobs
-from .sched import (
-    POLICIES,
-    Policy,
-    Request,
-    RequestStatus,
-    SamplingParams,
-    Scheduler,
-    TokenFlowConfig,
-)
+from .sched import Policy, Scheduler
 from .swap import Swapper
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -389,9 +383,8 @@ class LLM:
             c.max_num_seqs,
             c.max_num_batched_tokens,
             time.monotonic,
-            c.policy,
+            make_policy(c.policy, c.tokenflow),
             swapper,
-            c.tokenflow,
             c.enable_prefix_caching,
         )
         self.engine = Engine(

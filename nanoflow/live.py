@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from importlib import resources
 
 from .engine import Engine
-from .sched import Request, RequestStatus, SamplingParams
+from .request import Request, RequestStatus, SamplingParams
 
 SNAPSHOT_INTERVAL_S = 0.2  # five frames a second: buffers move smoothly; one costs ~0.1 ms to build
 BUSY_HINT_S = 1.0  # no snapshot for this long: a long step (a prefill on a CPU); the page says so

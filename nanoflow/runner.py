@@ -2,7 +2,7 @@
 
 Every rank holds one `ModelRunner` (its model shard, KV caches and decode graphs). Under tensor
 parallelism rank 0's runner first sends each call to the other ranks (`ranks.send`, dist.py), whose
-loops call the same method of their own. It may import attention, kv, model and sched.
+loops call the same method of their own. It may import attention, kv, model and request.
 """
 
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ from torch import Tensor
 from .attention import AttnMetadata
 from .kv import KVPool, build_metadata, cdiv, to_device
 from .model import Transformer
-from .sched import Request
+from .request import Request
 
 GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then every multiple of this
 

@@ -37,7 +37,7 @@ from .grammar import response_format_schema
 from .live import SNAPSHOT_INTERVAL_S, LiveView, burst_requests, page
 from .metrics import Metrics, rebuffer_time
 from .reasoning import REASONING_PARSERS, split_reasoning
-from .sched import Request, SamplingParams
+from .request import Request, SamplingParams
 from .tools import ToolCallStream, ToolRequest, template_messages
 
 log = logging.getLogger("nanoflow.serve")

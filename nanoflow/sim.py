@@ -18,7 +18,9 @@ import torch
 from .engine import Engine, Request
 from .kv import KVPool, kv_block_bytes
 from .model import ModelConfig
-from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
+from .policies import TokenFlowConfig, make_policy
+from .request import SamplingParams
+from .sched import Policy, Scheduler
 from .swap import Lane, Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
@@ -366,9 +368,8 @@ def build_engine(
         cost.max_num_seqs,
         cost.max_num_batched_tokens,
         clock,
-        policy,
+        make_policy(policy, tokenflow),
         swapper,
-        tokenflow,
         enable_prefix_caching,
     )
     return SimEngine(cost, scheduler, read_rate, jitter, seed)

@@ -45,14 +45,14 @@ MUTANTS = [
     # sched.py: TokenFlow's decisions
     M(
         "tokenflow-preempt-without-mu",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch",
         "return req.dry_at - now >= self.lead(switch)",
         "preemptable_needs",
     ),
     M(
         "tokenflow-victims-most-urgent",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "for r in sorted(others, key=urgency.get, reverse=True):",
         "for r in sorted(others, key=urgency.get):",
         "victims_are_the_least",
@@ -61,49 +61,49 @@ MUTANTS = [
     M(
         "decodes-first",
         "nanoflow/sched.py",
-        "key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)",
-        "key=lambda r: len(r.token_ids) - r.num_computed_tokens == 1)",
+        "key=lambda r: r.num_new_tokens != 1)",
+        "key=lambda r: r.num_new_tokens == 1)",
         "keeps_its_decode_tokens",
     ),
     M(
         "fcfs-no-reserve",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "if need > free - reserved:",
         "if need > free:",
         "fcfs_admission",
     ),
     M(
         "fcfs-misfit-skipped",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "if need > free:\n                return",
         "if need > free:\n                continue",
         "fcfs_admission",
     ),
     M(
         "fcfs-reserve-counts-held",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "reserved += self.future_tokens(s, req)  # less what it holds now",
         "reserved += need",
         "fcfs_admission",
     ),
     M(
         "fcfs-victim-shortest-prompt",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "-len(r.prompt_token_ids)))",
         "len(r.prompt_token_ids)))",
         "fcfs_victims",
     ),
     M(
         "fcfs-retract-once",
-        "nanoflow/sched.py",
+        "nanoflow/policies.py",
         "kept = decoded + self.fcfs.retract_decode_steps * len(s.running)",
         "kept = decoded + self.fcfs.retract_decode_steps",
         "fcfs_victims or fcfs_admits",
     ),
     M(
         "fcfs-decay-no-floor",
-        "nanoflow/sched.py",
-        "self.new_token_ratio = max(self.new_token_ratio - step, fcfs.min_new_token_ratio)",
+        "nanoflow/policies.py",
+        "self.new_token_ratio = max(self.new_token_ratio - step, floor)",
         "self.new_token_ratio -= step",
         "fcfs_victims",
     ),
@@ -116,7 +116,7 @@ MUTANTS = [
     ),
     M(
         "dry-at-ignores-stall",
-        "nanoflow/sched.py",
+        "nanoflow/request.py",
         "self.dry_at = max(now, self.dry_at) + 1.0 / self.read_rate",
         "self.dry_at += 1.0 / self.read_rate",
         "metrics_by_hand or reader_agrees",
@@ -131,8 +131,8 @@ MUTANTS = [
     M(
         "preempt-keeps-computed",
         "nanoflow/sched.py",
-        "req.num_computed_tokens = req.num_cached_blocks = 0",
-        "req.num_cached_blocks = 0",
+        "req.num_computed_tokens = 0\n",
+        "\n",
         "recompute_after_preemption_without",
     ),
     M(
@@ -603,6 +603,7 @@ SUBSETS = {
     "nanoflow/fleet.py": "fleet",
     "nanoflow/swap.py": "swap or host or lanes or load or demotion or evict or forced_preemption",
     "nanoflow/sched.py": "tokenflow or by_hand or fcfs or preempt",
+    "nanoflow/policies.py": "tokenflow or by_hand or fcfs or preempt",
 }
 
 

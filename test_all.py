@@ -5985,6 +5985,41 @@ def test_a_newcomer_that_waited_an_interval_joins_although_a_paused_reader_runs_
     ]
 
 
+def test_past_capacity_the_oldest_newcomer_joins_only_after_a_whole_interval_by_hand():
+    """The scene above, but the oldest newcomer has waited 1.4 s of the 1.5 s interval: past
+    capacity, with a paused reader about to run dry, nobody joins yet."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    params = SamplingParams(max_tokens=100, ignore_eos=True, read_rate=10.0)
+    paused = engine.add_request([1] * 20, params, arrival_time=0.0)
+    for t in (0.6, 0.7, 1.9):
+        engine.add_request([1] * 20, params, arrival_time=t)
+    engine.clock.advance_to(2.0)
+    paused.append(0, 1.9)
+    paused.status = RequestStatus.PREEMPTED
+    paused.dry_at = 2.05
+    urgency = {r: policy.urgency(s, r, 2.0) for r in s.waiting}
+    policy.overloaded = True
+    members = policy.working_set(s, [paused], s.lifetime_size([paused]), 1000.0, urgency)
+    assert members == [paused]
+
+
+@pytest.mark.parametrize("tokens_left, preemptable", [(75, False), (76, True)])
+def test_a_request_about_to_finish_is_not_preempted_by_hand(tokens_left, preemptable):
+    """Toy preset, 20 ms steps: a request whose last tokens take no longer than an interval (75 x
+    0.02 s = 1.5 s) is done before a rebalance could bring it back, so preempting it only costs a
+    switch; one token more, and its 100 s of buffer make it preemptable."""
+    engine = sim_engine(toy_cost(), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.02, 0, 1)
+    req = running_request(engine, 100, tokens_left + 1)
+    req.append(0, 0.0)  # started, tokens_left to go
+    req.dry_at = 100.0
+    assert req.num_tokens_left == tokens_left
+    assert policy.preemptable(s, req, 0.0) is preemptable
+
+
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
     """The capacity a rebalance compares the readers' demand with comes from a line fitted
     through decode steps (batch, seconds). A step that also ran prompt tokens says little about

@@ -75,6 +75,7 @@ class Fleet:
         cpu_threads: int | None = 1,
         health_interval: int = 5,
         log_dir: str | None = None,
+        command: list[str] | None = None,
     ):
         self.host, self.policy = host, policy
         self.port = port or free_port(host)
@@ -83,10 +84,14 @@ class Fleet:
         self.replica_ports = [p or free_port(host) for p in replica_ports]
         self.serve_args, self.router_args = list(serve_args), list(router_args)
         self.cpu_threads, self.health_interval = cpu_threads, health_interval
+        # what starts a replica, before its flags (a test starts one with a slowed engine)
+        self.command = command or [sys.executable, "-m", "nanoflow.serve"]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nanoflow-fleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.replicas: list[subprocess.Popen | None] = [None] * len(self.replica_ports)
         self.router: subprocess.Popen | None = None
+        self.spawned: list[int] = []  # every process started, each its own group's leader
+        self.reaped: set[int] = set()  # groups killed and leaders waited for (stop is idempotent)
 
     @property
     def url(self) -> str:
@@ -98,7 +103,7 @@ class Fleet:
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         with log:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 argv,
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
@@ -107,9 +112,11 @@ class Fleet:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+        self.spawned.append(proc.pid)
+        return proc
 
     def start_replica(self, i: int) -> None:
-        argv = [sys.executable, "-m", "nanoflow.serve", "--host", self.host]
+        argv = [*self.command, "--host", self.host]
         argv += ["--port", str(self.replica_ports[i])]
         if self.cpu_threads:
             argv += ["--cpu-threads", str(self.cpu_threads)]
@@ -158,7 +165,11 @@ class Fleet:
 
     def restart(self, i: int, timeout: float = 300) -> None:
         """Replica i again on its port, once the old one has exited."""
-        self.replicas[i].wait()
+        old = self.replicas[i]
+        old.wait()
+        with contextlib.suppress(ProcessLookupError):  # anything the old one started
+            os.killpg(old.pid, signal.SIGKILL)
+        self.reaped.add(old.pid)
         self.start_replica(i)
         self.wait_healthy({self.replica_url(i): self.replicas[i]}, timeout)
 
@@ -180,9 +191,11 @@ class Fleet:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.router.wait(timeout=max(5.0, deadline - time.monotonic()))
         for p in replicas + [self.router] * bool(self.router):
-            with contextlib.suppress(ProcessLookupError):  # the group: what a process started too
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            if p.pid not in self.reaped:
+                with contextlib.suppress(ProcessLookupError):  # the group: what it started too
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                self.reaped.add(p.pid)
 
     def __enter__(self) -> "Fleet":
         return self.start()

@@ -7464,6 +7464,7 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt):
                 assert "[DONE]" not in record["chunks"], rid
             else:
                 assert ran_to_the_end(record), rid
+        cut_after = max(out[rid]["end"] - killed_at for rid in cut)
         assert set(after) <= carried(fleet, 1) and not cut & carried(fleet, 1)
         assert max(finished(fleet).values()) == 1
 
@@ -7475,6 +7476,7 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt):
             assert router_call(fleet.port, f"rejoin-{k}") == 200
             k += 1
             time.sleep(0.2)
+        rejoined_after = time.monotonic() - healthy_at
 
         # SIGTERM drains replica 1: its streams end, new requests go to replica 0
         out, threads = start_streams(fleet, ["d0", "d1", "d2", "d3"])
@@ -7489,7 +7491,8 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt):
         assert set(during) <= carried(fleet, 0) - carried(fleet, 1)
         assert fleet.replicas[1].wait(timeout=30) == 0
         assert max(finished(fleet).values()) == 1
-        print(f"fleet test: {time.monotonic() - start:.1f} s")
+        took = time.monotonic() - start
+        print(f"fleet: cut {cut_after:.2f} s, rejoined {rejoined_after:.1f} s, all {took:.0f} s")
     finally:
         fleet.stop()
     assert alive_in_groups(set(fleet.spawned)) == []

@@ -218,15 +218,32 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--policy", choices=POLICIES, default="round_robin", help="the router's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the router's; replicas: the next ones")
-    p.add_argument("--replica-ports", type=int, nargs="+", help="one each")
+    p.add_argument("--replica-ports", type=int, nargs="+", help="one each; None: after --port")
     p.add_argument("--cpu-threads", type=int, default=1, help="per replica; 0: nanoflow's default")
     p.add_argument("--health-interval", type=int, default=5, help="s between the router's checks")
     p.add_argument("--router-args", default="", help="more vllm-router flags, one string")
-    p.add_argument("--log-dir", help="one log per process (default: a new temporary folder)")
+    p.add_argument("--log-dir", help="one log per process; None: a new temporary folder")
+    p.add_argument(
+        "--run",
+        metavar="CMD",
+        help="a shell command to run once the fleet is up ({url}: the router's, {replicas}: "
+        "theirs), then stop: its exit status is the fleet's",
+    )
     args = p.parse_args(argv)
     if args.replica_ports and len(args.replica_ports) != args.replicas:
         p.error("--replica-ports: one port per replica")
     return args, serve_args
+
+
+def watch(fleet: Fleet) -> int:
+    """Says when a replica exits (the router routes around it); returns when the router exits."""
+    while fleet.router.poll() is None:
+        for i, proc in enumerate(fleet.replicas):
+            if proc.returncode is None and proc.poll() is not None:
+                print(f"fleet: replica {i} exited with {proc.returncode}", flush=True)
+        time.sleep(0.5)
+    print(f"fleet: the router exited with {fleet.router.returncode}", flush=True)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,13 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         fleet.start()
         urls = " ".join(map(fleet.replica_url, range(args.replicas)))
         print(f"fleet: {fleet.url}/v1 ({args.policy}) -> {urls}; Ctrl-C stops", flush=True)
-        while fleet.router.poll() is None:
-            for i, proc in enumerate(fleet.replicas):
-                if proc.returncode is None and proc.poll() is not None:
-                    print(f"fleet: replica {i} exited with {proc.returncode}", flush=True)
-            time.sleep(0.5)
-        print(f"fleet: the router exited with {fleet.router.returncode}", flush=True)
-        return 1
+        if args.run:
+            return subprocess.run(
+                args.run.format(url=fleet.url, replicas=urls), shell=True
+            ).returncode
+        return watch(fleet)
     except KeyboardInterrupt:
         print("fleet: draining the replicas (Ctrl-C again: kill)", flush=True)
         return 0

@@ -7482,7 +7482,7 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt):
         out, threads = start_streams(fleet, ["d0", "d1", "d2", "d3"])
         draining = carried(fleet, 1) & set(out)
         assert draining, "round_robin gave replica 1 streams"
-        fleet.signal(1, signal.SIGTERM)
+        fleet.drain(1)  # SIGTERM (again, until /health says draining: docs/fleet.md)
         during = [f"during-drain-{k}" for k in range(4)]
         assert [router_call(fleet.port, rid) for rid in during] == [200] * 4
         for t in threads:

@@ -159,9 +159,21 @@ class Fleet:
         return self
 
     def signal(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Signal replica i's process group (SIGKILL: a crash; SIGTERM: a drain)."""
+        """Signal replica i's process group (SIGKILL: a crash; SIGTERM: see drain)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.replicas[i].pid, sig)
+
+    def drain(self, i: int, timeout: float = 10) -> None:
+        """SIGTERM to replica i until it drains (/health no longer 200). Once is not always
+        enough: the kernel hands a process's signal to any of its threads, and nanoflow.serve's
+        main thread, blocked in `stop.wait()` without a timeout, misses one that another thread
+        took (docs/fleet.md). A second SIGTERM to a draining replica changes nothing."""
+        deadline = time.monotonic() + timeout
+        while self.replicas[i].poll() is None and healthy(self.replica_url(i)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {i} still answers /health 200 after SIGTERM")
+            self.signal(i, signal.SIGTERM)
+            time.sleep(0.5)
 
     def restart(self, i: int, timeout: float = 300) -> None:
         """Replica i again on its port, once the old one has exited."""
@@ -179,9 +191,9 @@ class Fleet:
         replicas = [p for p in self.replicas if p]
         deadline = time.monotonic() + grace
         if grace:
-            for p in replicas:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
+            for i in (i for i, p in enumerate(self.replicas) if p):
+                with contextlib.suppress(TimeoutError):  # then it is killed below
+                    self.drain(i, timeout=min(grace, 10))
             for p in replicas:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -283,9 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         urls = " ".join(map(fleet.replica_url, range(args.replicas)))
         print(f"fleet: {fleet.url}/v1 ({args.policy}) -> {urls}; Ctrl-C stops", flush=True)
         if args.run:
-            return subprocess.run(
-                args.run.format(url=fleet.url, replicas=urls), shell=True
-            ).returncode
+            command = args.run.replace("{url}", fleet.url).replace("{replicas}", urls)
+            return subprocess.run(command, shell=True).returncode
         return watch(fleet)
     except KeyboardInterrupt:
         print("fleet: draining the replicas (Ctrl-C again: kill)", flush=True)

@@ -54,7 +54,8 @@ def healthy(url: str, path: str = "/health") -> bool:
 
 def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the fleet dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG), so that no replica or router outlives it. Elsewhere a no-op."""
+    PR_SET_PDEATHSIG), so that no replica or router outlives it. Elsewhere a no-op. Linux counts
+    the thread that started the child: start a fleet from a thread that outlives it."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 

@@ -7370,7 +7370,7 @@ def router_stream(port: int, rid: str, out: dict) -> None:
 
 def router_call(port: int, rid: str) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = dict(model="tiny", messages=HELLO, max_tokens=4)
+    body = dict(model="tiny", messages=HELLO, max_tokens=4, ignore_eos=True)
     conn.request("POST", CHAT, json.dumps(body), {**JSON, "X-Request-Id": rid})
     resp = conn.getresponse()
     answer = json.loads(resp.read()) if resp.status == 200 else None

@@ -7428,7 +7428,7 @@ def ran_to_the_end(record: dict) -> bool:
 
 
 @pytest.mark.skipif(shutil.which("vllm-router") is None, reason="pip install -e '.[fleet]'")
-def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt):
+def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt, tmp_path):
     """SIGKILL mid-stream: the killed replica's streams end, cut (no [DONE]), within CUT_WITHIN;
     the other's run to their end; each request sent after the kill is answered 200 by the live
     replica; no request finishes twice. Restarted on its port, the replica gets requests again
@@ -7443,6 +7443,7 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt):
         port=0,
         serve_args=serve_args,
         health_interval=1,
+        log_dir=tmp_path,
         command=[sys.executable, "-c", SLOW_REPLICA],
     )
     start = time.monotonic()

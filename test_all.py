@@ -7468,3 +7468,177 @@ def test_no_code_sets_another_objects_private_attributes():
         for line in private_assignments(p.read_text())
     ]
     assert not found, f"private attributes set from outside: {found}"
+
+
+# ---------------------------------------------------- issue 44: replicas behind vLLM's router
+# tools/fleet.py starts two replicas of the tiny checkpoint, each engine step slowed by 20 ms (so a
+# stream of 100 tokens lasts ~2 s), behind vLLM's router (round_robin, health checks every second).
+# Which replica carried a request, and how often it finished, comes from the replicas' logs
+# (--log-level debug: one access line per request, with its X-Request-Id). Skipped where the
+# router is not installed: pip install -e ".[fleet]".
+
+import importlib.util
+
+FLEET_TOOL = Path(__file__).parent / "tools" / "fleet.py"
+SLOW_REPLICA = (
+    "import time, nanoflow.engine as e; step = e.Engine.step; "
+    "e.Engine.step = lambda self: (time.sleep(0.02), step(self))[1]; "
+    "from nanoflow.serve import main; main()"
+)
+JSON = {"Content-Type": "application/json"}  # the router refuses a body without it (415)
+CUT_WITHIN = 5.0  # s from SIGKILL to the end of each stream the killed replica carried
+REJOIN_WITHIN = 10.0  # s from a restarted replica's first 200 on /health to its first request
+
+
+def fleet_tool():
+    spec = importlib.util.spec_from_file_location("fleet_tool", FLEET_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def router_stream(port: int, rid: str, out: dict) -> None:
+    """A streamed chat through the router, recorded in out[rid] as it arrives (for a thread)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = dict(model="tiny", messages=HELLO, max_tokens=100, ignore_eos=True, stream=True)
+    conn.request("POST", CHAT, json.dumps(body), {**JSON, "X-Request-Id": rid})
+    resp = conn.getresponse()
+    record = out[rid] = dict(status=resp.status, chunks=[], end=None, error=None)
+    try:
+        for _, chunk in sse(resp):
+            record["chunks"].append(chunk)
+    except (OSError, http.client.HTTPException) as e:  # a cut may also read as a broken response
+        record["error"] = repr(e)
+    record["end"] = time.monotonic()
+    conn.close()
+
+
+def router_call(port: int, rid: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = dict(model="tiny", messages=HELLO, max_tokens=4, ignore_eos=True)
+    conn.request("POST", CHAT, json.dumps(body), {**JSON, "X-Request-Id": rid})
+    resp = conn.getresponse()
+    answer = json.loads(resp.read()) if resp.status == 200 else None
+    conn.close()
+    assert answer is None or answer["choices"][0]["finish_reason"] == "length"
+    return resp.status
+
+
+def replica_log(fleet, i: int) -> str:
+    return (fleet.log_dir / f"replica-{i}.log").read_text()
+
+
+def carried(fleet, i: int) -> set[str]:
+    """Request ids replica i answered 200 (a stream: when it started)."""
+    text = replica_log(fleet, i)
+    return {line.split()[4] for line in text.splitlines() if f'"POST {CHAT} HTTP/1.1" 200' in line}
+
+
+def finished(fleet) -> Counter:
+    """Request id -> how many times a replica finished it (its summary line)."""
+    lines = (line for i in range(2) for line in replica_log(fleet, i).splitlines())
+    return Counter(line.split()[4] for line in lines if " chatcmpl-" in line and "finish=" in line)
+
+
+def alive_in_groups(groups: set[int]) -> list[str]:
+    """Processes (zombies included) in any of these process groups, from /proc."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):  # gone while read
+            if entry.name.isdigit():
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) in groups:
+                    alive.append(f"{entry.name} {stat.split()[1]}")
+    return alive
+
+
+def start_streams(fleet, names: list[str]) -> tuple[dict, list[threading.Thread]]:
+    """Streams through the router, each started once the one before has its first chunk."""
+    out, threads = {}, []
+    for name in names:
+        threads.append(threading.Thread(target=router_stream, args=(fleet.port, name, out)))
+        threads[-1].start()
+        wait_for(lambda name=name: out.get(name) and out[name]["chunks"], timeout=30)
+        assert out[name]["status"] == 200, out[name]
+    return out, threads
+
+
+def ran_to_the_end(record: dict) -> bool:
+    chunks = record["chunks"]
+    return (
+        record["status"] == 200
+        and chunks[-1] == "[DONE]"
+        and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    )
+
+
+@pytest.mark.skipif(shutil.which("vllm-router") is None, reason="pip install -e '.[fleet]'")
+def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt, tmp_path):
+    """SIGKILL mid-stream: the killed replica's streams end, cut (no [DONE]), within CUT_WITHIN;
+    the other's run to their end; each request sent after the kill is answered 200 by the live
+    replica; no request finishes twice. Restarted on its port, the replica gets requests again
+    within REJOIN_WITHIN. SIGTERM drains: its streams run to their end, requests sent meanwhile
+    are answered by the other, it exits 0. At the end no process of the fleet is left."""
+    tool = fleet_tool()
+    serve_args = ["--ckpt", str(ckpt), "--device", "cpu", "--num-kv-blocks", "64"]
+    serve_args += ["--shutdown-timeout", "20", "--log-level", "debug"]
+    fleet = tool.Fleet(
+        2,
+        "round_robin",
+        port=0,
+        serve_args=serve_args,
+        health_interval=1,
+        log_dir=tmp_path,
+        command=[sys.executable, "-c", SLOW_REPLICA],
+    )
+    start = time.monotonic()
+    fleet.start(timeout=120)
+    try:
+        # SIGKILL replica 0 while each replica carries two streams
+        out, threads = start_streams(fleet, ["s0", "s1", "s2", "s3"])
+        cut = carried(fleet, 0) & set(out)
+        assert cut and cut != set(out), "round_robin gave both replicas streams"
+        fleet.signal(0, signal.SIGKILL)
+        killed_at = time.monotonic()
+        after = [f"after-kill-{k}" for k in range(6)]
+        assert [router_call(fleet.port, rid) for rid in after] == [200] * 6
+        for t in threads:
+            t.join(timeout=30)
+        for rid, record in out.items():
+            if rid in cut:
+                assert record["end"] - killed_at < CUT_WITHIN, rid
+                assert "[DONE]" not in record["chunks"], rid
+            else:
+                assert ran_to_the_end(record), rid
+        cut_after = max(out[rid]["end"] - killed_at for rid in cut)
+        assert set(after) <= carried(fleet, 1) and not cut & carried(fleet, 1)
+        assert max(finished(fleet).values()) == 1
+
+        # restarted on its port, it rejoins
+        fleet.restart(0, timeout=120)
+        healthy_at, k = time.monotonic(), 0
+        while not carried(fleet, 0) & {f"rejoin-{j}" for j in range(k)}:
+            assert time.monotonic() - healthy_at < REJOIN_WITHIN, "not routed to again"
+            assert router_call(fleet.port, f"rejoin-{k}") == 200
+            k += 1
+            time.sleep(0.2)
+        rejoined_after = time.monotonic() - healthy_at
+
+        # SIGTERM drains replica 1: its streams end, new requests go to replica 0
+        out, threads = start_streams(fleet, ["d0", "d1", "d2", "d3"])
+        draining = carried(fleet, 1) & set(out)
+        assert draining, "round_robin gave replica 1 streams"
+        fleet.drain(1)  # SIGTERM (again, until /health says draining: docs/fleet.md)
+        during = [f"during-drain-{k}" for k in range(4)]
+        assert [router_call(fleet.port, rid) for rid in during] == [200] * 4
+        for t in threads:
+            t.join(timeout=30)
+        assert all(ran_to_the_end(record) for record in out.values())
+        assert set(during) <= carried(fleet, 0) - carried(fleet, 1)
+        assert fleet.replicas[1].wait(timeout=30) == 0
+        assert max(finished(fleet).values()) == 1
+        took = time.monotonic() - start
+        print(f"fleet: cut {cut_after:.2f} s, rejoined {rejoined_after:.1f} s, all {took:.0f} s")
+    finally:
+        fleet.stop()
+    assert alive_in_groups(set(fleet.spawned)) == []

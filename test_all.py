@@ -6020,6 +6020,22 @@ def test_a_request_about_to_finish_is_not_preempted_by_hand(tokens_left, preempt
     assert policy.preemptable(s, req, 0.0) is preemptable
 
 
+def test_out_of_memory_the_newest_newcomer_leaves_first_by_hand():
+    """Memory runs out mid-step and the one reader cannot wait a switch (0.5 s of buffer): the
+    victim is the newcomer started last, which has the least to lose, not the first."""
+    engine = sim_engine(toy_cost(), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.02, 0, 1)
+    reader = running_request(engine, 100, 500)
+    reader.append(0, 0.0)
+    reader.dry_at = 0.5
+    first = running_request(engine, 100, 500)
+    last = running_request(engine, 100, 500)
+    assert not policy.preemptable(s, reader, 0.0) and not first.started
+    assert policy.victim(s, 0.0) is last
+
+
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
     """The capacity a rebalance compares the readers' demand with comes from a line fitted
     through decode steps (batch, seconds). A step that also ran prompt tokens says little about

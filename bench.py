@@ -45,12 +45,12 @@ from nanoflow.engine import (
     busy_cpu_seconds,
     clamp_read_rate,
 )
-from nanoflow.fleet import ROUTERS, make_router, simulate
+from benchmarks.fleet import ROUTERS, make_router, simulate
 from nanoflow.kv import KVPool, build_metadata, cdiv
 from nanoflow.metrics import TTFT_SLO, TTFT_TARGET, RequestRecord, read_times, summarize
 from nanoflow.model import Transformer, rope_inv_freq
 from nanoflow.sched import POLICIES, TokenFlow, TokenFlowConfig, make_policy
-from nanoflow.sim import LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate, kv_bytes_per_token
+from benchmarks.sim import LLAMA3_8B, PRESETS, CostModel, build_engine, calibrate, kv_bytes_per_token
 from nanoflow.swap import Swapper
 
 TRACE_CREDIT = (
@@ -415,7 +415,7 @@ def drive(engine, w: Workload, label: str) -> Run:
 
 
 def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
-    """w on --replicas copies of the warmed-up engine behind the router (nanoflow/fleet.py)."""
+    """w on --replicas copies of the warmed-up engine behind the router (benchmarks/fleet.py)."""
     engines = [copy.deepcopy(engine) for _ in range(args.replicas)]
     before, wall = engine.stats(), time.monotonic()
     reqs, _, start = simulate(engines, w, make_router(router, args.seed), args.scrape_interval)

@@ -2602,7 +2602,7 @@ from nanoflow.metrics import (
     summarize,
 )
 from nanoflow.sched import Request, RequestStatus, TokenFlowConfig  # noqa: E402
-from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
+from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine  # noqa: E402
 
 
 def sim_engine(*args, **kwargs):
@@ -3413,7 +3413,7 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
     given one burst past memory: the same decisions (which request runs, with how many tokens) at
     every step, preemptions and resumes included. What the simulator leaves out (the forward, the
     tokens, the detokenizer, the copies' bytes) must not change what the policy decides."""
-    from nanoflow.sim import VirtualClock
+    from benchmarks.sim import VirtualClock
 
     llm = LLM(ckpt, device="cpu", num_kv_blocks=20, policy=policy, host_kv_gb=0.01)
     eng = llm.engine
@@ -4846,7 +4846,7 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
     "preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9), ("4x4090-qwen2.5-32b", 4, 24e9)]
 )
 def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
-    from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
+    from benchmarks.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
 
     cost = PRESETS[preset]()
     assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, torch.bfloat16)
@@ -5996,7 +5996,7 @@ def test_regime_guard(row, extra, recorded):
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from nanoflow import fleet  # noqa: E402
+from benchmarks import fleet  # noqa: E402
 from nanoflow.metrics import Metrics  # noqa: E402
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .engine import Engine, Request
-from .kv import KVPool, kv_block_bytes
-from .model import ModelConfig
-from .sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
-from .swap import Lane, Swapper
+from nanoflow.engine import Engine, Request
+from nanoflow.kv import KVPool, kv_block_bytes
+from nanoflow.model import ModelConfig
+from nanoflow.sched import Policy, SamplingParams, Scheduler, TokenFlowConfig
+from nanoflow.swap import Lane, Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
 

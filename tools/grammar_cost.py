@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import seconds  # noqa: E402
+from benchmarks.timing import seconds  # noqa: E402
 from nanoflow import LLM, SamplingParams, grammar  # noqa: E402
 
 

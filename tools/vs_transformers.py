@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import parse_dist, seconds  # noqa: E402
+from benchmarks.timing import seconds  # noqa: E402
+from benchmarks.workloads import parse_dist  # noqa: E402
 from nanoflow import LLM, SamplingParams  # noqa: E402
 from nanoflow.model import demo_checkpoint  # noqa: E402
 

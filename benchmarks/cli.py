@@ -163,7 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not (any(workload) or args.matrix is not None or args.regimes is not None or any(modes)):
         ap.error("choose a workload (--burst, --poisson, --trace, --multi-turn) or a mode")
     try:
-        parse_dist(args.prompt_len or "1"), parse_dist(args.output_len)
+        parse_dist(args.prompt_len or "1")
+        parse_dist(args.output_len)
         parse_mix(PAPER_MIX if args.read_rate == "auto" else args.read_rate)
     except ValueError:
         ap.error("--prompt-len, --output-len: MEAN[:SPREAD]; --read-rate: RATE[:SHARE],... or auto")

@@ -239,7 +239,8 @@ def regime_verdict(name: str, fcfs: list[dict], tokenflow: list[dict]) -> list[s
 def sim_errors(real: list[dict], sim: dict) -> tuple[str, int]:
     """The simulator's error against the mean of the engine's repeats, and how many are within
     tolerance (rebuffer: 15%, or 0.5 s, or the engine's own spread)."""
-    parts, within = [], 0
+    parts = []
+    within = 0
     for label, key in SIM_ERRORS:
         values = [s[key] for s in real]
         mean = statistics.mean(values)

@@ -79,7 +79,10 @@ def run_matrix(rows: list[tuple[str, str, dict]], base: str = MATRIX_BASE):
 
 def matrix_row(name: str, f: dict, t: dict, misses: list[str], runs: str = "") -> str:
     """One markdown row: fcfs -> tokenflow for the bar's metrics, and the verdict."""
-    ratio = lambda key: f"{t[key] / f[key]:.2f}x" if f[key] else "-"  # noqa: E731
+
+    def ratio(key: str) -> str:
+        return f"{t[key] / f[key]:.2f}x" if f[key] else "-"
+
     verdict = "pass" if not misses else "FAIL: " + "; ".join(misses)
     verdict = f"{runs}; worst run: {verdict}" if runs else verdict
     return (

@@ -116,7 +116,8 @@ def plot(runs: list[Run], path: str) -> None:
 def ttft_slo_ceiling(w: Workload, prefill_rate: float, slo: float) -> float:
     """The share of first tokens within the SLO were the engine to do nothing but the prompts, one
     after another in arrival order: past capacity, what the prompt rate allows any such policy."""
-    within, free_at = 0, 0.0
+    within = 0
+    free_at = 0.0
     for arrival, prompt in sorted(zip(w.arrival, w.prompt_len)):
         free_at = max(free_at, arrival) + prompt / prefill_rate
         within += free_at - arrival <= slo

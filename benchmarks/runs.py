@@ -133,7 +133,10 @@ class Progress:
     """One line on stderr, rewritten at most a few times a second."""
 
     def __init__(self, label: str, total: int):
-        self.label, self.total, self.last, self.begin = label, total, 0.0, time.monotonic()
+        self.label = label
+        self.total = total
+        self.last = 0.0
+        self.begin = time.monotonic()
 
     def due(self) -> bool:
         return time.monotonic() - self.last >= 0.25
@@ -152,8 +155,11 @@ class Progress:
 
 def drive(engine, w: Workload, label: str) -> Run:
     """Add due requests and step, idle till the next; a turn is due a think time after the last."""
-    wall, before = time.monotonic(), engine.stats()
-    start, reqs, bar = engine.clock(), {}, Progress(label, len(w))
+    wall = time.monotonic()
+    before = engine.stats()
+    start = engine.clock()
+    reqs = {}
+    bar = Progress(label, len(w))
     virtual_clock = hasattr(engine.clock, "advance_to")
     follows = w.follows or [-1] * len(w)
     due = [(start + a, i) for i, (a, f) in enumerate(zip(w.arrival, follows)) if f < 0]
@@ -193,7 +199,8 @@ def drive(engine, w: Workload, label: str) -> Run:
 def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
     """w on --replicas copies of the warmed-up engine behind the router (benchmarks/fleet.py)."""
     engines = [copy.deepcopy(engine) for _ in range(args.replicas)]
-    before, wall = engine.stats(), time.monotonic()
+    before = engine.stats()
+    wall = time.monotonic()
     reqs, _, start = simulate(engines, w, make_router(router, args.seed), args.scrape_interval)
     counters = {k: sum(e.stats()[k] - before[k] for e in engines) for k in COUNTERS}
     return Run(
@@ -241,7 +248,8 @@ def http_call(url: str, method: str, path: str, body: dict | None = None):
 def http_stream(url: str, w: Workload, i: int, start: float, out: list) -> None:
     """One request as an OpenAI streaming completion; out[i] gets the client-side token times."""
     time.sleep(max(0.0, start + w.arrival[i] - time.monotonic()))
-    times, tokens = [], 0
+    times = []
+    tokens = 0
     body = {
         "prompt": w.prompt_ids(i),
         "max_tokens": w.output_len[i],
@@ -279,10 +287,12 @@ def drive_http(url: str, w: Workload) -> Run:
     try:
         while b'"loading"' in http_call(url, "GET", "/health").read():  # its checkpoint
             time.sleep(1)
-        wall, before = time.monotonic(), scrape_counters(url)
+        wall = time.monotonic()
+        before = scrape_counters(url)
     except OSError as e:
         raise SystemExit(f"no server at {url} ({e}); start one: python -m nanoflow.serve") from None
-    start, times = time.monotonic() + 0.1, [None] * len(w)
+    start = time.monotonic() + 0.1
+    times = [None] * len(w)
     threads = [
         threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True)
         for i in range(len(w))
@@ -340,7 +350,8 @@ def cost_model(preset: str | CostModel) -> CostModel:
 def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Workload, dict]:
     """Each policy on a fresh engine: the same warm-up probe, then the identical workload."""
     make, where = engine_factory(args, w)
-    runs, info = [], {"engine": where}
+    runs = []
+    info = {"engine": where}
     for policy in args.policies.split(","):
         engine = make(policy=policy)
         blocks = engine.stats()["device_blocks_total"]
@@ -402,7 +413,8 @@ class Decision:
 
 def record_decisions(scheduler) -> list[Decision]:
     """Log scheduler's decisions from now on (the bench's own trace; the engine is unchanged)."""
-    log, decide = [], scheduler.schedule
+    log = []
+    decide = scheduler.schedule
 
     def schedule():
         now = scheduler.clock()
@@ -410,7 +422,8 @@ def record_decisions(scheduler) -> list[Decision]:
             r: (r.status.value, r.num_output_tokens, r.dry_at - now)
             for r in itertools.chain(scheduler.running, scheduler.waiting)
         }
-        step_s, free = scheduler.step_time(), scheduler.kv.num_free
+        step_s = scheduler.step_time()
+        free = scheduler.kv.num_free
         out = decide()
         if out:
             batch = (
@@ -433,7 +446,8 @@ def run_workload(args: argparse.Namespace) -> tuple[list[Run], Workload, dict]:
     w = build_workload(args)
     if args.http:
         w = w.clamped(args.context)
-        runs, info = [drive_http(args.http, w)], {"engine": f"server at {args.http}"}
+        runs = [drive_http(args.http, w)]
+        info = {"engine": f"server at {args.http}"}
     else:
         runs, w, info = run_policies(args, w)
     info.update(rates=info.get("rates", args.read_rate), ttft_slo=ttft_slo(args))

@@ -2,6 +2,7 @@
 after_step(), with hundreds to thousands of requests running on the simulator.
 """
 
+import functools
 import itertools
 import statistics
 import time
@@ -33,18 +34,21 @@ def sched_cost(sizes: tuple[int, ...] = (256, 1024, 4096), steps: int = 200) -> 
         s.policy = make_policy(policy)
         for _ in range(20):  # a few decodes, so that readers have buffers
             engine.step()
-        deciding, after = [], []
+        deciding = []
+        after = []
         for _ in range(steps):
             deciding.append(seconds(s.schedule, time.process_time))
             engine.clock.advance_to(engine.clock() + 0.01)
             for req in s.running:  # what the step would have done: one more token each
                 req.num_computed_tokens = req.num_tokens
                 req.append(0, engine.clock())
-            after.append(seconds(lambda: s.after_step(0.01, 0, len(s.running)), time.process_time))
+            after_step = functools.partial(s.after_step, 0.01, 0, len(s.running))
+            after.append(seconds(after_step, time.process_time))
         rebalance = "-"
         if isinstance(s.policy, TokenFlow):  # a full rebalance (working set, sort, fill, victims)
             now = engine.clock()
-            spent = [seconds(lambda: full_rebalance(s, now), time.process_time) for _ in range(10)]
+            rebalance_once = functools.partial(full_rebalance, s, now)
+            spent = [seconds(rebalance_once, time.process_time) for _ in range(10)]
             rebalance = f"{statistics.median(spent) * 1e3:.3f}"
         print(
             f"{policy:>10} {n:>8} {statistics.median(deciding) * 1e3:>16.3f} {rebalance:>16} "

@@ -4,6 +4,7 @@ write-through (`bench_transfers`), and a random Llama-3-8B's decode steps agains
 floor (`bench_decode_speed`); and the timers these share with the tools (`cuda_time`, `seconds`).
 """
 
+import functools
 import itertools
 import random
 import statistics
@@ -62,7 +63,8 @@ def copy_bandwidth() -> float:
 def bench_kernels() -> dict:
     """Decode attention at Llama-3-8B shapes, in bytes/s next to a plain device-to-device copy."""
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
-    peak, rows = copy_bandwidth(), []
+    peak = copy_bandwidth()
+    rows = []
     print(f"device copy bandwidth: {peak / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} {'time us':>9} {'GB/s':>7} {'of copy':>7}")
     for batch, context in itertools.product(KERNEL_BATCHES, KERNEL_CONTEXTS):
@@ -71,11 +73,17 @@ def bench_kernels() -> dict:
         tables = torch.randperm(blocks, device="cuda").view(batch, -1).int()
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
-        s = cuda_time(
-            lambda: decode_attention_triton(
-                q, pool[:, 0], pool[:, 1], tables, lens, context, head_dim**-0.5
-            )
+        attend = functools.partial(
+            decode_attention_triton,
+            q,
+            pool[:, 0],
+            pool[:, 1],
+            tables,
+            lens,
+            context,
+            head_dim**-0.5,
         )
+        s = cuda_time(attend)
         nbytes = (pool.numel() + 2 * q.numel()) * q.element_size()  # K + V, q and the output
         share = nbytes / s / peak
         print(f"{batch:>5} {context:>7} {s * 1e6:>9.1f} {nbytes / s / 1e9:>7.0f} {share:>7.0%}")
@@ -123,9 +131,17 @@ def swapper_bandwidth(sw: Swapper) -> tuple[float, float]:
     sw.device.free_blocks = deque(random.sample(range(blocks), blocks))
     req = fake_request([], blocks * BLOCK_SIZE)
     sw.device.grow(req.block_table, req.num_computed_tokens)
-    # forget the host copy first, so that every block is copied again
-    evict = lambda: (sw.forget(req), sw.evict(req), sw.complete_all())  # noqa: E731
-    load = lambda: (sw.load(req), sw.complete_all(), torch.cuda.synchronize())  # noqa: E731
+
+    def evict() -> None:
+        sw.forget(req)  # the host copy first, so that every block is copied again
+        sw.evict(req)
+        sw.complete_all()
+
+    def load() -> None:
+        sw.load(req)
+        sw.complete_all()
+        torch.cuda.synchronize()
+
     rounds = [(seconds(evict), seconds(load)) for _ in range(1 + ITERS // 2)][1:]  # 1st: warm-up
     return tuple(blocks * sw.block_bytes / statistics.median(t) for t in zip(*rounds))
 
@@ -175,13 +191,15 @@ def decode_forward(
     model: Transformer, pool: KVPool, batch: int, context: int, graphs: bool = False
 ):
     """A decode step's forward over `batch` sequences of `context` tokens, and their tables."""
-    device, per_seq = pool.kv_cache.device, context // BLOCK_SIZE
+    device = pool.kv_cache.device
+    per_seq = context // BLOCK_SIZE
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     meta, positions = build_metadata(
         tables, [context - 1] * batch, [1] * batch, batch, BLOCK_SIZE, device
     )
     ids = torch.randint(model.config.vocab_size, (batch,), device=device)
-    rows, caches = torch.arange(batch, device=device), pool.layer_caches()
+    rows = torch.arange(batch, device=device)
+    caches = pool.layer_caches()
     if graphs:
         runner = DecodeGraphs(
             model, caches, [batch], model.config.max_position_embeddings, BLOCK_SIZE, capture=True
@@ -193,7 +211,9 @@ def decode_forward(
 def bench_decode_speed(device: str = "cuda") -> dict:
     """Decode tokens/s of a random Llama-3-8B in bf16 at each batch, against its bandwidth floor:
     the weights and the batch's KV read once per step at the measured copy rate."""
-    model, peak, rows = random_model(device), copy_bandwidth(), []
+    model = random_model(device)
+    peak = copy_bandwidth()
+    rows = []
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     for batch, mode in itertools.product(KERNEL_BATCHES, ("eager", "graphs")):
         pool = llama_pool(batch * DECODE_CONTEXT // BLOCK_SIZE, device)
@@ -227,14 +247,21 @@ def bench_decode_beside_write_through(device: str = "cuda") -> float:
     sw = llama_swapper(DECODE_BATCH * DECODE_CONTEXT // BLOCK_SIZE, device)
     forward, tables = decode_forward(random_model(device), sw.device, DECODE_BATCH, DECODE_CONTEXT)
     reqs = [fake_request(t, DECODE_CONTEXT - 1) for t in tables]
-    # the compute stream only: copies may still be running
-    step = lambda: (forward(), torch.cuda.current_stream().synchronize())  # noqa: E731
+
+    def step() -> None:  # the compute stream only: copies may still be running
+        forward()
+        torch.cuda.current_stream().synchronize()
 
     def write_through_then_step() -> float:
         sw.complete_all()
         for r in reqs:
             sw.forget(r)  # so that there is always something to write
-        return seconds(lambda: (sw.write_through(reqs, max_blocks), step()))  # as the engine does
+
+        def write_through_and_step() -> None:  # as the engine does
+            sw.write_through(reqs, max_blocks)
+            step()
+
+        return seconds(write_through_and_step)
 
     alone = statistics.median(seconds(step) for _ in range(ITERS))
     max_blocks = max(1, int(alone * sw.bandwidth / sw.block_bytes))  # as Scheduler.after_step

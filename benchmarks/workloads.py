@@ -108,7 +108,8 @@ def read_trace(path: str, time_scale: float) -> list[tuple]:
 
 def lru_hit_rate(block_ids: list[list[int]], capacity: int) -> float:
     """Share of prompt blocks a plain LRU of `capacity` blocks holds as a leading run (a bound)."""
-    cache, hits = OrderedDict(), 0
+    cache = OrderedDict()
+    hits = 0
     for ids in block_ids:
         hits += next((k for k, h in enumerate(ids) if h not in cache), len(ids))
         for h in ids:
@@ -144,7 +145,10 @@ def later_turns(args: argparse.Namespace, rng, length, arrival, prompts, outputs
 
 def build_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
-    length = lambda dist: max(1, round(rng.gauss(*parse_dist(dist))))  # noqa: E731
+
+    def length(dist: str) -> int:
+        return max(1, round(rng.gauss(*parse_dist(dist))))
+
     block_ids = follows = None
     if args.trace:
         rows = read_trace(args.trace, args.time_scale)
@@ -158,7 +162,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         source = f"trace {args.trace} ({len(rows)} requests, time x{args.time_scale})"
     else:
         if args.burst:
-            arrival, source = [0.0] * args.burst, f"burst of {args.burst} at t=0"
+            arrival = [0.0] * args.burst
+            source = f"burst of {args.burst} at t=0"
         elif args.multi_turn:  # the first turns spread over one think time
             arrival = sorted(rng.uniform(0, args.think_time) for _ in range(args.multi_turn))
             source = (
@@ -166,7 +171,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
                 f"{args.think_time} s, the prompt of each turn a new message"
             )
         else:
-            arrival, t = [], rng.expovariate(args.poisson)
+            arrival = []
+            t = rng.expovariate(args.poisson)
             while t < args.duration:
                 arrival.append(t)
                 t += rng.expovariate(args.poisson)

@@ -37,7 +37,7 @@ PAPER_MIX = "15:0.4,20:0.6"  # TokenFlow's reader mix: 40% read at 15 tok/s, 60%
 # fastest reader reads at most SPEED_SHARE as fast as a running request decodes
 DEMAND_SHARE = 0.7
 SPEED_SHARE = 0.5
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # tokens per KV block in every engine the bench builds
 PROBE_TOKENS = 16  # output tokens of each warm-up request that measures decode speed
 PROMPT_VOCAB = 256  # prompt ids are drawn below this: valid for every model; content is irrelevant
 

@@ -2456,7 +2456,7 @@ def test_help_explains_every_option(capsys):
 def test_bench_help_prints(capsys):
     """`python bench.py --help` formats every option's help (a stray % once made it crash)."""
     with pytest.raises(SystemExit) as exit:
-        bench.parse_args(["--help"])
+        cli.parse_args(["--help"])
     assert exit.value.code == 0
     text = capsys.readouterr().out
     assert "where 97% of" in " ".join(text.split())
@@ -2627,9 +2627,9 @@ from nanoflow.metrics import (
     rebuffer_time,
     summarize,
 )
+from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine
 from nanoflow.policies import TokenFlowConfig
 from nanoflow.request import Request, RequestStatus
-from nanoflow.sim import SMOLLM2_135M, CostModel, build_engine
 
 
 def sim_engine(*args, **kwargs):
@@ -3270,14 +3270,14 @@ def test_matrix_verdict():
     ok = dict(
         f, ttft_p99=11.2, rebuffer_mean=1.2, throughput=95.0, effective_throughput=47.5
     )  # on every limit
-    assert bench.verdict(f, ok, {}) == []
-    assert len(bench.verdict(f, dict(ok, ttft_p99=11.3), {})) == 1
-    assert len(bench.verdict(f, dict(ok, rebuffer_mean=1.21), {})) == 1
-    assert len(bench.verdict(f, dict(ok, throughput=94.9, effective_throughput=47.4), {})) == 2
-    assert len(bench.verdict(f, dict(ok, completed=4), {})) == 1
-    assert len(bench.verdict(f, ok, {"ttft_p99": 0.15, "effective_throughput": 1.6})) == 2
+    assert matrix.verdict(f, ok, {}) == []
+    assert len(matrix.verdict(f, dict(ok, ttft_p99=11.3), {})) == 1
+    assert len(matrix.verdict(f, dict(ok, rebuffer_mean=1.21), {})) == 1
+    assert len(matrix.verdict(f, dict(ok, throughput=94.9, effective_throughput=47.4), {})) == 2
+    assert len(matrix.verdict(f, dict(ok, completed=4), {})) == 1
+    assert len(matrix.verdict(f, ok, {"ttft_p99": 0.15, "effective_throughput": 1.6})) == 2
     assert (
-        bench.verdict(
+        matrix.verdict(
             f,
             dict(ok, ttft_p99=1.5, effective_throughput=80.0),
             {"ttft_p99": 0.15, "effective_throughput": 1.6},
@@ -3299,7 +3299,7 @@ def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
             for n in range(10)
         ],
     ]
-    for name, _fcfs, _tokenflow, misses in bench.run_matrix(rows, base):
+    for name, _fcfs, _tokenflow, misses in matrix.run_matrix(rows, base):
         assert not misses, (name, misses)
 
 
@@ -3311,6 +3311,7 @@ def test_tokenflow_never_loses_on_small_rows_of_the_matrix():
 import math
 
 import bench
+from benchmarks import cli, fidelity, matrix, runs, workloads
 
 BENCH_WORKLOAD = ["--burst", "4", "--prompt-len", "12:2", "--output-len", "10:2", "--seed", "1"]
 METRIC_KEYS = (
@@ -3444,7 +3445,7 @@ def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, t
     assert all(s["completed"] == 4 for p in row["real"].values() for s in p)
     assert row["sim"]["fcfs"]["completed"] == row["sim"]["tokenflow"]["completed"] == 4
     fcfs, tokenflow = (row["real"][p] for p in ("fcfs", "tokenflow"))
-    assert row["misses"] == bench.regime_verdict(row["regime"], fcfs, tokenflow)
+    assert row["misses"] == fidelity.regime_verdict(row["regime"], fcfs, tokenflow)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
@@ -3454,7 +3455,7 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
     given one burst past memory: the same decisions (which request runs, with how many tokens) at
     every step, preemptions and resumes included. What the simulator leaves out (the forward, the
     tokens, the detokenizer, the copies' bytes) must not change what the policy decides."""
-    from nanoflow.sim import VirtualClock
+    from benchmarks.sim import VirtualClock
 
     llm = LLM(ckpt, device="cpu", num_kv_blocks=20, policy=policy, host_kv_gb=0.01)
     eng = llm.engine
@@ -3484,7 +3485,7 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
     prompts = random_prompts(12, TINY["vocab_size"], seed=3, lengths=(20, 60))
     schedules = []
     for engine in (eng, sim):
-        decisions = bench.record_decisions(engine.scheduler)
+        decisions = runs.record_decisions(engine.scheduler)
         reqs = [
             engine.add_request(
                 p, SamplingParams(max_tokens=40, ignore_eos=True, read_rate=(4, 8, 20)[i % 3])
@@ -3504,7 +3505,7 @@ def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):
     """Turn k's prompt is turn k-1's prompt and answer plus a message, sent after that answer; with
     prefix caching, every later turn finds at least every block the previous turn filled (its
     last token has no KV yet), as the engine's counters say."""
-    args = bench.parse_args(
+    args = cli.parse_args(
         [
             "--multi-turn",
             "3",
@@ -3520,9 +3521,9 @@ def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):
             "20",
         ]
     )
-    w = bench.build_workload(args)
-    llm = LLM(ckpt, device="cpu", num_kv_blocks=256, block_size=bench.BLOCK_SIZE)
-    run = bench.drive(llm.engine, w, "multi-turn")
+    w = workloads.build_workload(args)
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=256, block_size=workloads.BLOCK_SIZE)
+    run = runs.drive(llm.engine, w, "multi-turn")
     assert run.summary["completed"] == len(w) == 9
     reqs = run.requests
     for i, prev in enumerate(w.follows):
@@ -3531,7 +3532,9 @@ def test_multi_turn_resends_the_conversation_and_hits_its_cached_blocks(ckpt):
             assert len(reqs[i].prompt_token_ids) > reqs[prev].num_tokens
             assert reqs[i].arrival_time >= reqs[prev].token_times[-1]
     full = sum(
-        (reqs[p].num_tokens - 1) // bench.BLOCK_SIZE * bench.BLOCK_SIZE for p in w.follows if p >= 0
+        (reqs[p].num_tokens - 1) // workloads.BLOCK_SIZE * workloads.BLOCK_SIZE
+        for p in w.follows
+        if p >= 0
     )
     hits = run.counters["prefix_hit_tokens"] + run.counters["prefix_host_hit_tokens"]
     assert full <= hits < sum(w.prompt_len)
@@ -3574,7 +3577,7 @@ def test_mooncake_replay_scaled_down_on_the_real_engine(ckpt, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "plain LRU of the trace's hash ids" in out and "blocks of 4)" in out
     m = json.loads(path.read_text())["policies"]["tokenflow"]
-    w = bench.build_workload(bench.parse_args(flags))
+    w = workloads.build_workload(cli.parse_args(flags))
     seen, bound = set(), 0
     for ids in map(w.prompt_ids, range(len(w))):
         # the engine's full blocks, each named by the whole prefix up to its end
@@ -4087,10 +4090,10 @@ def stream_with_key(server, rate: float, ids: list[str]) -> None:
 def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits():
     """Equal leading ids give equal leading tokens (so the engine's cache can find them); the plain
     LRU bound, checked on a toy trace by hand, and on the real trace against its unbounded rate."""
-    args = bench.parse_args(
+    args = cli.parse_args(
         ["--trace", os.path.join(os.path.dirname(__file__), "data/mooncake_synthetic.jsonl.gz")]
     )
-    w = bench.build_workload(args)
+    w = workloads.build_workload(args)
     assert len(w) == 3993 and all(
         len(ids) == -(-p // 512) for ids, p in zip(w.block_ids, w.prompt_len)
     )
@@ -4108,8 +4111,8 @@ def test_mooncake_replay_builds_prompts_from_the_hash_ids_and_bounds_their_hits(
         [4],
         [1, 5],
     ]  # hits: 0, 2 (1, 2), 0, then 1 (1) unless evicted by 3, 4
-    assert bench.lru_hit_rate(toy, 100) == 3 / 8 and bench.lru_hit_rate(toy, 3) == 2 / 8
-    assert bench.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(
+    assert workloads.lru_hit_rate(toy, 100) == 3 / 8 and workloads.lru_hit_rate(toy, 3) == 2 / 8
+    assert workloads.lru_hit_rate(w.block_ids, 10**9) == pytest.approx(
         0.64, abs=0.01
     )  # the trace's README
 
@@ -4896,7 +4899,7 @@ def test_tensor_parallel_server_streams_and_ends_every_rank(ckpt, end):
     "preset,gpus,memory", [("2xa6000-qwen2.5-32b", 2, 48e9), ("4x4090-qwen2.5-32b", 4, 24e9)]
 )
 def test_tensor_parallel_presets_hold_a_rank_share_and_serve_a_burst(preset, gpus, memory):
-    from nanoflow.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
+    from benchmarks.sim import PRESETS, QWEN25_32B, kv_bytes_per_token
 
     cost = PRESETS[preset]()
     assert cost.kv_bytes_per_token * gpus == kv_bytes_per_token(QWEN25_32B, torch.bfloat16)
@@ -6112,7 +6115,7 @@ GUARD_ROWS = [
 
 @pytest.mark.parametrize("row, extra, recorded", GUARD_ROWS, ids=[r[0] for r in GUARD_ROWS])
 def test_regime_guard(row, extra, recorded):
-    ((_, fcfs, tokenflow, misses),) = bench.run_matrix([(row, extra)], GUARD_BASE)
+    ((_, fcfs, tokenflow, misses),) = matrix.run_matrix([(row, extra)], GUARD_BASE)
     assert misses == []
     ttft_ratio, qoe_share, slo_share = recorded
     assert tokenflow["ttft_p99"] / fcfs["ttft_p99"] <= 1.1 * ttft_ratio
@@ -6124,7 +6127,7 @@ def test_regime_guard(row, extra, recorded):
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoflow import fleet
+from benchmarks import fleet
 from nanoflow.metrics import Metrics
 
 
@@ -6183,8 +6186,8 @@ def test_fleet_server_metrics_turn_the_buffer_signal_on_at_the_first_scrape(serv
 
 
 def fleet_workload(*flags: str):
-    return bench.build_workload(
-        bench.parse_args(["--read-rate", "10:0.5,30:0.5", "--seed", "3", *flags])
+    return workloads.build_workload(
+        cli.parse_args(["--read-rate", "10:0.5,30:0.5", "--seed", "3", *flags])
     )
 
 
@@ -6193,7 +6196,7 @@ def test_fleet_of_one_is_the_single_engine(router):
     w = fleet_workload(
         "--poisson", "20", "--duration", "2", "--prompt-len", "200:50", "--output-len", "40:10"
     )
-    alone = bench.drive(sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64), w, "alone")
+    alone = runs.drive(sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64), w, "alone")
     reqs, where, start = fleet.simulate(
         [sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64)],
         w,
@@ -6301,7 +6304,7 @@ def test_fleet_bench_table(tmp_path, capsys):
     )
     assert all(m["completed"] == 4 and 0 <= m["qoe_good_share"] <= 1 for m in policies.values())
     with pytest.raises(SystemExit):
-        bench.parse_args(["--burst", "4", "--replicas", "2"])  # a fleet is simulated
+        cli.parse_args(["--burst", "4", "--replicas", "2"])  # a fleet is simulated
 
 
 def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
@@ -6311,14 +6314,14 @@ def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
 
     def fake(engine, w, label, router, args):
         tried.append(args.replicas)
-        return bench.Run(f"{router}/{label}", [], 0.0)
+        return runs.Run(f"{router}/{label}", [], 0.0)
 
-    monkeypatch.setattr(bench, "drive_fleet", fake)
+    monkeypatch.setattr(runs, "drive_fleet", fake)
     monkeypatch.setattr(
-        bench.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5})
+        runs.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5})
     )
-    args = bench.parse_args(["--simulate", "--burst", "4", "--replicas", "2", "--find-replicas"])
-    run = bench.find_replicas(None, None, "fcfs", "buffer", args)
+    args = cli.parse_args(["--simulate", "--burst", "4", "--replicas", "2", "--find-replicas"])
+    run = runs.find_replicas(None, None, "fcfs", "buffer", args)
     assert tried == [2, 4, 8, 6, 5] and run.name == "buffer/fcfs x5"
     assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out
 
@@ -6426,21 +6429,21 @@ def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch,
     the worst run (most misses, then the highest tokenflow TTFT p99) with the count of passing
     runs."""
     monkeypatch.setattr(
-        bench,
+        matrix,
         "MATRIX_BASE",
         "--simulate --preset cpu-smollm2 --prompt-len 64:16 --output-len 64:16 --seed 3",
     )
     monkeypatch.setattr(
-        bench, "MATRIX", [("tiny", "--burst 12 --read-rate 2"), ("skipped", "--burst 5")]
+        matrix, "MATRIX", [("tiny", "--burst 12 --read-rate 2"), ("skipped", "--burst 5")]
     )
-    bases, results, real = [], [], bench.run_matrix
+    bases, results, real = [], [], matrix.run_matrix
 
     def run_matrix(rows, base):
         bases.append(base)
         results.extend(real(rows, base))
         return results[-1:]
 
-    monkeypatch.setattr(bench, "run_matrix", run_matrix)
+    monkeypatch.setattr(matrix, "run_matrix", run_matrix)
     bench.main(["--matrix", "tiny", "--repeat", "3"])
     rows = [
         line
@@ -6454,7 +6457,8 @@ def test_matrix_repeat_prints_each_rows_worst_run_and_how_many_pass(monkeypatch,
     worst = max(results, key=lambda r: (len(r[3]), r[2]["ttft_p99"]))
     passes = sum(not r[3] for r in results)
     assert (
-        rows == [bench.matrix_row(*worst, f"{passes}/3 pass")] and "/3 pass; worst run: " in rows[0]
+        rows == [matrix.matrix_row(*worst, f"{passes}/3 pass")]
+        and "/3 pass; worst run: " in rows[0]
     )
 
 
@@ -7351,7 +7355,7 @@ def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
 
 SERVER_SIDE = {"serve", "openai", "protocol", "api", "tools", "grammar", "reasoning", "live"}
 SERVER_SIDE |= {"anthropic", "responses"}
-BENCH_SIDE = {"sim", "fleet"}  # and everything outside nanoflow/
+BENCH_SIDE: set[str] = set()  # all outside nanoflow/: bench.py, benchmarks/ (sim.py, fleet.py)
 READING_PATH_MAX_LINES = 3500
 SERVER_SIDE_MAX_LINES = 1900
 

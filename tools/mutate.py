@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ["nanoflow", "test_all.py", "bench.py", "data", "pyproject.toml"]
+COPIED = ["nanoflow", "benchmarks", "test_all.py", "bench.py", "data", "pyproject.toml"]
 TIMEOUT_S = 900  # a mutant that makes its tests hang counts as killed after this long
 
 
@@ -586,7 +586,7 @@ MUTANTS = [
     ),
     M(
         "sim-link-never-queues",
-        "nanoflow/sim.py",
+        "benchmarks/sim.py",
         "start = max(self.free_at[direction], self.clock(), after)",
         "start = max(self.clock(), after)",
         "simulated_eviction or one_direction_queue",
@@ -600,7 +600,7 @@ SUBSETS = {
     "nanoflow/reasoning.py": "reasoning or thinking",
     "nanoflow/dist.py": "tensor_parallel",
     "nanoflow/runner.py": "padded or forced_preemption or logits_match or tensor_parallel",
-    "nanoflow/fleet.py": "fleet",
+    "benchmarks/fleet.py": "fleet",
     "nanoflow/swap.py": "swap or host or lanes or load or demotion or evict or forced_preemption",
     "nanoflow/sched.py": "tokenflow or by_hand or fcfs or preempt",
     "nanoflow/policies.py": "tokenflow or by_hand or fcfs or preempt",

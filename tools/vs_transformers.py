@@ -7,6 +7,7 @@ length; tokens/s of each and their ratio, per batch size.
 """
 
 import argparse
+import functools
 import random
 import sys
 from pathlib import Path
@@ -15,9 +16,21 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import parse_dist, seconds  # noqa: E402
+from benchmarks.timing import seconds  # noqa: E402
+from benchmarks.workloads import parse_dist  # noqa: E402
 from nanoflow import LLM, SamplingParams  # noqa: E402
 from nanoflow.model import demo_checkpoint  # noqa: E402
+
+
+def hf_generate(hf, prompts: list[list[int]], n_new: int) -> torch.Tensor:
+    """transformers' greedy generate of exactly n_new tokens after each prompt."""
+    return hf.eval().generate(
+        torch.tensor(prompts),
+        max_new_tokens=n_new,
+        min_new_tokens=n_new,
+        do_sample=False,
+        pad_token_id=0,
+    )
 
 
 def vs_transformers(args: argparse.Namespace) -> None:
@@ -38,21 +51,9 @@ def vs_transformers(args: argparse.Namespace) -> None:
     for n in map(int, args.batch_sizes.split(",")):
         prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-        ours = n * n_new / seconds(lambda: llm.generate(prompts, params))
+        ours = n * n_new / seconds(functools.partial(llm.generate, prompts, params))
         with torch.no_grad():
-            theirs = (
-                n
-                * n_new
-                / seconds(
-                    lambda: hf.eval().generate(
-                        torch.tensor(prompts),
-                        max_new_tokens=n_new,
-                        min_new_tokens=n_new,
-                        do_sample=False,
-                        pad_token_id=0,
-                    )
-                )
-            )
+            theirs = n * n_new / seconds(functools.partial(hf_generate, hf, prompts, n_new))
         print(f"{n:>8} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
 
 

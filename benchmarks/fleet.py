@@ -12,8 +12,9 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from .engine import Engine, Request
-from .metrics import kv_usage
+from nanoflow.engine import Engine
+from nanoflow.request import Request
+from nanoflow.metrics import kv_usage
 
 
 @dataclass

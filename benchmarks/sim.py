@@ -15,13 +15,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .engine import Engine, Request
-from .kv import KVPool, kv_block_bytes
-from .model import ModelConfig
-from .policies import TokenFlowConfig, make_policy
-from .request import SamplingParams
-from .sched import Policy, Scheduler
-from .swap import Lane, Swapper
+from nanoflow.engine import Engine
+from nanoflow.request import Request
+from nanoflow.kv import KVPool, kv_block_bytes
+from nanoflow.model import ModelConfig
+from nanoflow.policies import TokenFlowConfig, make_policy
+from nanoflow.request import SamplingParams
+from nanoflow.sched import Policy, Scheduler
+from nanoflow.swap import Lane, Swapper
 
 SIM_TOKEN = 0  # the token every simulated step "samples"; workloads run with ignore_eos
 
@@ -69,7 +70,9 @@ class CostModel:
         return self.overhead_s + max(memory, compute)
 
     def describe(self) -> str:
-        ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
+        def ms(seconds: float) -> str:
+            return f"{seconds * 1e3:.3g} ms"
+
         memory = f"{ms(self.weights_read_s)} + kv_tokens x {self.per_kv_token_s * 1e9:.3g} ns"
         compute = (
             f"prefill_tokens x {ms(self.per_prefill_token_s)} + "

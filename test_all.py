@@ -2619,15 +2619,9 @@ def test_sigterm_drains_streams_and_exits_0(ckpt):
 
 # ------------------------------------------- readers, metrics, the tokenflow policy, the simulator
 
-from nanoflow.metrics import (
-    RequestRecord,
-    effective_weights,
-    qoe,
-    read_times,
-    rebuffer_time,
-    summarize,
-)
 from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine
+from benchmarks.summary import summarize
+from nanoflow.metrics import RequestRecord, effective_weights, qoe, read_times, rebuffer_time
 from nanoflow.policies import TokenFlowConfig
 from nanoflow.request import Request, RequestStatus
 

@@ -17,7 +17,7 @@ from benchmarks.runs import CPU_SLO_SCALE, DEFAULT_KV_FRAC, ENGINE_FLAGS, GOOD_S
 from benchmarks.sim import PRESETS
 from benchmarks.workloads import PAPER_MIX, TRACE_BLOCK, TRACE_CREDIT, parse_dist, parse_mix
 from nanoflow.engine import EngineConfig
-from nanoflow.metrics import TTFT_SLO
+from benchmarks.summary import TTFT_SLO
 from nanoflow.policies import POLICIES
 
 REPEAT_JITTER = 0.03  # --matrix --repeat: step times vary by up to 3% (uniformly), as on a GPU

@@ -39,7 +39,8 @@ from benchmarks.workloads import (
 from nanoflow import LLM
 from nanoflow.engine import EngineConfig, busy_cpu_seconds
 from nanoflow.kv import cdiv
-from nanoflow.metrics import TTFT_SLO, RequestRecord, summarize
+from benchmarks.summary import TTFT_SLO, summarize
+from nanoflow.metrics import RequestRecord
 
 CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its outputs are short
 GOOD_SHARE = 0.97  # --find-replicas: the share of requests that must reach QoE >= 0.95

@@ -1,7 +1,8 @@
 """The reader model and the metrics, one implementation for the scheduler, the bench and the server.
 
 Everything below is a function of a request's arrival, its tokens' generation times and its reader's
-rate r (docs/scheduling.md defines them all). At the end: /metrics. It imports no nanoflow module.
+rate r (docs/scheduling.md defines them all; the bench sums them up in benchmarks/summary.py).
+At the end: /metrics. It imports no nanoflow module.
 """
 
 import bisect
@@ -10,10 +11,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 
 TTFT_TARGET = 1.3  # s: past it users disengage (TokenFlow's user study); Andes' QoE target
-TTFT_SLO = 2.0  # s: the bench's TTFT SLO on a GPU (--ttft-slo); a request without a token misses it
 # engine.stats() levels (the last four: the buffer signal, docs/scheduling.md); the rest are counts
 ENGINE_GAUGES = {
     "running",
@@ -79,40 +78,6 @@ class RequestRecord:
     @property
     def ttft(self) -> float:
         return self.token_times[0] - self.arrival
-
-
-def percentile(xs: list[float], p: float) -> float:
-    return torch.tensor(xs, dtype=torch.float64).quantile(p / 100).item() if xs else float("nan")
-
-
-def summarize(
-    records: list[RequestRecord], makespan: float, ttft_slo: float = TTFT_SLO
-) -> dict[str, float]:
-    """The bench's and /metrics' numbers over finished requests, in seconds and tokens/s."""
-    done = [r for r in records if r.token_times]
-    ttfts = [r.ttft for r in done]
-    tbts = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
-    rebuffers = [rebuffer_time(r.token_times, r.rate) for r in done]
-    qoes = [qoe(r.arrival, r.token_times, r.rate) for r in done]
-    tokens = sum(len(r.token_times) for r in done)
-    weighted = sum(sum(effective_weights(r.token_times, r.rate)) for r in done)
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {
-        "ttft_mean": mean(ttfts),
-        "ttft_p50": percentile(ttfts, 50),
-        "ttft_p99": percentile(ttfts, 99),
-        "tbt_p99": percentile(tbts, 99),
-        "rebuffer_mean": mean(rebuffers),
-        "rebuffer_p99": percentile(rebuffers, 99),
-        "qoe_mean": mean(qoes),
-        "qoe_good_share": mean([q >= 0.95 for q in qoes]),
-        "ttft_slo_share": sum(t <= ttft_slo for t in ttfts) / max(1, len(records)),
-        "effective_throughput": weighted / makespan,
-        "throughput": tokens / makespan,
-        "makespan": makespan,
-        "requests": len(records),
-        "completed": len(done),
-    }
 
 
 # ---------------------------------------------------------------- /metrics, as Prometheus text

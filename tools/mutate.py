@@ -378,7 +378,7 @@ MUTANTS = [
     ),
     M(
         "tbt-skips-a-gap",
-        "nanoflow/metrics.py",
+        "benchmarks/summary.py",
         "tbts = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]",
         "tbts = [b - a for r in done for a, b in zip(r.token_times, r.token_times[2:])]",
         "summarize_every or qoe_counts",

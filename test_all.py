@@ -2953,6 +2953,55 @@ def test_write_through_copies_at_most_the_blocks_the_link_allows_by_hand():
     assert swapper.counters["blocks_written_through"] == 4
 
 
+def test_write_through_serves_the_largest_buffers_first_by_hand(monkeypatch):
+    """The link copies 3 blocks this step: they go to the reader with the larger buffer (the
+    first a rebalance would preempt), none to the one about to run dry."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    short, long = [running_request(engine, 48, 100) for _ in range(2)]
+    short.dry_at = 1.0
+    long.dry_at = 9.0
+    monkeypatch.setattr(s.swapper, "blocks_in", lambda seconds: 3)
+    policy.write_through(s)
+    assert [short.num_host_tokens, long.num_host_tokens] == [0, 48]
+
+
+def test_a_request_preempted_within_an_interval_is_not_readmitted_by_hand():
+    """The baseline's queue, as TokenFlow hands it over, leaves out a request preempted less
+    than an interval (1.5 s) ago: readmitted at once, it would take back the room its preemption
+    just made. Once the interval has passed it is in the queue again."""
+    engine = sim_engine(toy_cost(), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    req = running_request(engine, 100, 500)
+    req.append(0, 0.0)
+    engine.clock.advance_to(10.0)
+    s.preempt(req)
+    newcomer = engine.add_request([1] * 16, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert list(policy.admission_queue(s, 11.4)) == [newcomer]
+    assert list(policy.admission_queue(s, 11.5)) == [req, newcomer]
+
+
+def test_a_member_waiting_for_memory_lets_nobody_start_before_it_by_hand():
+    """A paused reader's 100 tokens wait on host; three readers hold 21 of 24 blocks. The
+    keep-set's first member, the paused reader, needs its 7 blocks back to start, the second (a
+    newcomer) 1 of the 3 left. The second waits too: the room the next preemptions free is the
+    first member's, and a smaller request taking it first would starve it."""
+    engine = sim_engine(toy_cost(num_kv_blocks=24), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.prefill_rate = 100.0  # a recompute (1 s) is slower than a load (0.11 s)
+    paused = running_request(engine, 100, 500)
+    s.preempt(paused)
+    s.swapper.complete_all()
+    for _ in range(3):
+        running_request(engine, 100, 500)
+    newcomer = engine.add_request([1] * 16, SamplingParams(max_tokens=50, ignore_eos=True))
+    policy.keep = {paused, newcomer}
+    policy.joining = [paused, newcomer]
+    assert s.kv.num_free == 3 and s.blocks_to_start(paused) == 7
+    policy.admit(s, {}, 512, 0.0)
+    assert list(s.waiting) == [paused, newcomer]
+
+
 def test_newcomers_to_an_empty_engine_join_up_to_the_capacity_of_the_batch_memory_holds():
     """Issue 40's burst: an empty engine takes newcomers while their readers' rate stays within the
     capacity of the batch its memory holds, not of an engine as large as max_num_seqs. Twelve

@@ -2966,6 +2966,17 @@ def test_write_through_serves_the_largest_buffers_first_by_hand(monkeypatch):
     assert [short.num_host_tokens, long.num_host_tokens] == [0, 48]
 
 
+def test_write_through_runs_while_someone_waits_by_hand():
+    """A preemption may come whenever someone waits: then filled blocks go to host, though the
+    device pool is nearly empty; with nobody waiting and room to spare, the link stays idle."""
+    engine = sim_engine("cpu-smollm2", "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    running_request(engine, 48, 100)
+    assert not policy.under_pressure(s)
+    engine.add_request([1] * 16, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert s.kv.num_free > s.kv.num_blocks / 2 and policy.under_pressure(s)
+
+
 def test_a_request_preempted_within_an_interval_is_not_readmitted_by_hand():
     """The baseline's queue, as TokenFlow hands it over, leaves out a request preempted less
     than an interval (1.5 s) ago: readmitted at once, it would take back the room its preemption

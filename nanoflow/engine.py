@@ -176,7 +176,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request that passed `check_request`, the door of LLM and the server."""
+        """Queue a request that passed `check_prompt`, the door of LLM and the server."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         rate = clamp_read_rate(params.read_rate or self.read_rate)
@@ -193,7 +193,7 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """A ValueError if the engine cannot serve this request: every caller's one door."""
         vocab = self.config.vocab_size
         if not ids:
@@ -577,7 +577,7 @@ class LLM:
             raise ValueError(f"{len(prompt_ids)} prompts but {len(params)} SamplingParams")
         for i, (ids, p) in enumerate(zip(prompt_ids, params)):
             try:
-                self.engine.check_request(ids, p)
+                self.engine.check_prompt(ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         reqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]

@@ -194,7 +194,7 @@ def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], Sampling
     for rate in rates:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, read_rate=rate)
         ids = [random.randrange(engine.config.vocab_size) for _ in range(prompt_len)]
-        engine.check_request(ids, params)
+        engine.check_prompt(ids, params)
         out.append((ids, params))
     return out
 

@@ -1,6 +1,6 @@
 """The OpenAI protocol: a body read into token ids and SamplingParams, and the answers' shapes.
 
-`prompt_of`, `constraints` and `sampling_params` (through the engine's door, `Engine.check_request`)
+`prompt_of`, `constraints` and `sampling_params` (through the engine's door, `Engine.check_prompt`)
 raise a ValueError for a client's mistake: serve.py answers it with a 400. `Reply` and `chunks` turn
 the engine thread's `ChoiceDelta`s into OpenAI's objects. It imports the engine's types, grammar.py
 and tools.py; serve.py, api.py and live.py import it.
@@ -42,7 +42,7 @@ PROMPT_FIELDS = ("model", "messages", "prompt", "chat_template_kwargs", "user")
 OUTPUT_FIELDS = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "n")
 LOGPROBS_FIELDS = ("logprobs", "top_logprobs")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
-# every other field of a body: unknown, ignored with a warning (as vLLM does)
+# what a body may carry; any other field is unknown, ignored with a warning (as vLLM does)
 KNOWN_FIELDS = {*PROMPT_FIELDS, *OUTPUT_FIELDS, *LOGPROBS_FIELDS, *TOOL_FIELDS}
 KNOWN_FIELDS |= {*SAMPLING_FIELDS, *UNSUPPORTED}
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
@@ -177,7 +177,7 @@ def sampling_params(
     # by default, up to the end of the context (as OpenAI and vLLM do)
     max_tokens = asked[0] if asked else max(1, room)
     params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **given)
-    engine.check_request(ids, params)
+    engine.check_prompt(ids, params)
     if params.max_tokens > room:
         context = f"{len(ids)} prompt tokens in a {engine.max_model_len}-token context"
         message = f"{context}: max_tokens can be {room} at most"

@@ -97,7 +97,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send_bytes(204, b"", None, preflight)
             self._check_access(path, method)
             endpoint(self)
-        except ValueError as e:  # the request's own mistake (protocol.py, Engine.check_request)
+        except ValueError as e:  # the request's own mistake (protocol.py, Engine.check_prompt)
             self._send_error(HTTPError(400, str(e).removeprefix("SamplingParams.")), path)
         except HTTPError as e:
             self._send_error(e, path)

@@ -1922,7 +1922,7 @@ def test_metrics_count_prefix_hits(server):
 
 def test_overload_gets_503_with_retry_after(server, gate, monkeypatch):
     monkeypatch.setattr(server.loop, "max_waiting", 2)
-    monkeypatch.setattr("nanoflow.serve.START_BOUND_S", 0.0)  # every queued request counts
+    monkeypatch.setattr("nanoflow.api.START_BOUND_S", 0.0)  # every queued request counts
     streams = [
         open_stream(server, "/v1/completions", dict(prompt="hello", max_tokens=3)) for _ in range(2)
     ]

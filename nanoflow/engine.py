@@ -1,7 +1,7 @@
 """The engine step loop and the public Python API (`LLM`), in vLLM's shape.
 
 `Engine.step()` schedules (sched.py), gets the logits from the runner (runner.py), samples, and
-postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and serve.py drive it.
+postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and api.py drive it.
 It may import any module but the server's and the bench's.
 """
 
@@ -98,9 +98,6 @@ class EngineConfig:
     )
 
     def __post_init__(self):
-        # checked before the model loads: a typo should fail fast
-        if isinstance(self.policy, str) and self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]")
 
@@ -172,7 +169,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request that `check_prompt` passed (LLM and the server check at their door)."""
+        """Queue a request that passed `check_prompt`, the door of LLM and the server."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         rate = clamp_read_rate(params.read_rate or self.read_rate)
@@ -190,6 +187,7 @@ class Engine:
         return req
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """A ValueError if the engine cannot serve this request: every caller's one door."""
         vocab = self.config.vocab_size
         if not ids:
             raise ValueError("the prompt is empty")
@@ -203,10 +201,7 @@ class Engine:
         if not all(t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
             raise ValueError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
         if params.json_schema is not None:
-            try:
-                check_schema(params.json_schema)
-            except ValueError as e:
-                raise ValueError(f"json_schema: {e}") from None
+            check_schema(params.json_schema, "json_schema")
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (a client went away); its blocks are freed at once."""

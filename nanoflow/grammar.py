@@ -31,19 +31,20 @@ def response_format_schema(response_format) -> dict | None:
             '{"type": "json_schema", "json_schema": {"name", "schema"}}'
         )
     schema = spec.get("schema", ANY_OBJECT)
-    try:
-        check_schema(schema)
-    except ValueError as e:
-        raise ValueError(f"response_format.json_schema.schema: {e}") from None
+    check_schema(schema, "response_format.json_schema.schema")
     return schema
 
 
-def check_schema(schema) -> str:
-    """The llguidance grammar of a JSON schema; a ValueError says why the library rejects it."""
+def check_schema(schema, name: str) -> str:
+    """The llguidance grammar of a JSON schema; a ValueError names the field (`name`) and says why
+    the library rejects it."""
     if not isinstance(schema, dict):
-        raise ValueError("a JSON schema must be an object")
-    # the key keeps the properties' order: it is the order of the output's keys
-    return _grammar(json.dumps(schema))
+        raise ValueError(f"{name}: a JSON schema must be an object")
+    try:
+        # the key keeps the properties' order: it is the order of the output's keys
+        return _grammar(json.dumps(schema))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 @functools.lru_cache(maxsize=512)
@@ -77,7 +78,7 @@ class Grammars:
     def matcher(self, schema: dict):
         from llguidance import LLMatcher
 
-        return LLMatcher(self.lltokenizer, check_schema(schema), log_level=0)
+        return LLMatcher(self.lltokenizer, check_schema(schema, "json_schema"), log_level=0)
 
 
 @functools.cache

@@ -2,9 +2,10 @@
 
 While a browser watches, the engine thread builds snapshots (a row per request with its reader's
 buffer, the KV pools, tokens/s, recent preemptions and resumes); viewers' threads send them as SSE.
-It may import engine and sched.
+At the end, its endpoints (page, snapshots, burst); it imports engine, request and protocol.
 """
 
+import logging
 import math
 import random
 import threading
@@ -12,11 +13,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import resources
 
 from .engine import Engine
+from .protocol import HTTPError
 from .request import Request, RequestStatus, SamplingParams
+
+log = logging.getLogger("nanoflow.serve")
 
 SNAPSHOT_INTERVAL_S = 0.2  # five frames a second: buffers move smoothly; one costs ~0.1 ms to build
 BUSY_HINT_S = 1.0  # no snapshot for this long: a long step (a prefill on a CPU); the page says so
@@ -111,7 +115,8 @@ class LiveView:
         gap = now - self.counting_since
         if gap >= SNAPSHOT_INTERVAL_S:  # a fresh snapshot soon after another keeps the last rate
             self.tokens_per_s = self.tokens / gap if math.isfinite(gap) else None
-            self.counting_since, self.tokens = now, 0
+            self.counting_since = now
+            self.tokens = 0
         self.built_at = now
         stats = engine.stats()
         pools = {}
@@ -192,3 +197,36 @@ def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], Sampling
         engine.check_prompt(ids, params)
         out.append((ids, params))
     return out
+
+
+# ---------------------------------------------------------------- its endpoints, as Handler methods
+
+
+def live_page(handler) -> None:
+    handler.send_bytes(200, page(), "text/html; charset=utf-8")
+
+
+def engine_events(handler) -> None:
+    """Snapshots of the engine, one server-sent event each, while the viewer stays."""
+    handler.start_events()
+    with handler.server.live.watching() as version:
+        # on the engine thread, which this wakes: an idle one then publishes snapshots too
+        handler.server.loop.inbox.put(handler.server.live.restart)
+        with suppress(OSError):  # the viewer left
+            while snapshot := handler.server.live.next(version):
+                version = snapshot["version"]
+                handler.sse(snapshot)
+
+
+def engine_burst(handler) -> None:
+    """The page's burst, sent from here: a browser holds only six connections to one server."""
+    requests = burst_requests(handler.read_json(), handler.server.engine)
+    # nobody reads these queues: each is dropped with its finished request
+    queues = []
+    try:
+        for ids, params in requests:
+            request_id = f"burst-{uuid.uuid4().hex[:8]}"
+            queues.append(handler.server.loop.submit([request_id], ids, [params], request_id))
+    except HTTPError as e:  # overloaded: the rest are not sent
+        log.warning("burst: %d of %d requests sent: %s", len(queues), len(requests), e)
+    handler.send_json(200, {"submitted": len(queues), "requested": len(requests)})

@@ -118,6 +118,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def wait_to_admit(
+        self, queued: int, max_waiting: int, prompt_tokens: int, max_tokens: int, bound_s: float
+    ) -> float | None:
+        """None while at most `max_waiting` of `queued` requests (no token yet) cannot start in
+        `bound_s` at the measured prefill rate; else the seconds decoding needs for the excess."""
+        startable = int(bound_s * self.rates.prefill_rate / max(1, prompt_tokens))
+        excess = queued - startable - max_waiting + 1
+        if excess <= 0:
+            return None
+        return excess * max_tokens * self.step_time() / max(1, len(self.running))
+
     def buffer_signal(self) -> dict[str, float]:
         """What a router may score on (docs/scheduling.md, "The buffer signal")."""
         now = self.clock()

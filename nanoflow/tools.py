@@ -33,7 +33,8 @@ class ToolRequest:
     @classmethod
     def of(cls, body: dict, template: str | None) -> "ToolRequest | None":
         """The request's tools, None if it has none or says "none"; a ValueError names the field."""
-        tools, choice = body.get("tools"), body.get("tool_choice")
+        tools = body.get("tools")
+        choice = body.get("tool_choice")
         if not tools:
             if choice not in (None, "none", "auto"):
                 raise ValueError("`tool_choice` needs `tools`")
@@ -43,15 +44,7 @@ class ToolRequest:
         names = [_check_tool(i, t) for i, t in enumerate(tools)]
         if len(set(names)) < len(names):
             raise ValueError("`tools` names a function twice")
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            choice = (choice.get("function") or {}).get("name")
-            if choice not in names:
-                raise ValueError(f"`tool_choice` names {choice!r}, which `tools` does not offer")
-        elif choice not in (None, "none", "auto", "required"):
-            raise ValueError(
-                '`tool_choice` must be "none", "auto", "required" or '
-                '{"type": "function", "function": {"name": ...}}'
-            )
+        choice = _tool_choice(choice, names)
         if choice == "none":
             return None
         if choice in (None, "auto") and not knows_tools(template):
@@ -97,6 +90,21 @@ class ToolRequest:
         }
 
 
+def _tool_choice(choice, names: list[str]) -> str | None:
+    """`tool_choice` as a word ("none", "auto", "required") or the name of an offered function."""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ValueError(f"`tool_choice` names {name!r}, which `tools` does not offer")
+        return name
+    if choice not in (None, "none", "auto", "required"):
+        raise ValueError(
+            '`tool_choice` must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}'
+        )
+    return choice
+
+
 def knows_tools(template: str | None) -> bool:
     """Whether a chat template shows tools and calls (Llama 3.1+, Qwen2.5+, Hermes' all do)."""
     return "tool_call" in (template or "")
@@ -111,10 +119,7 @@ def _check_tool(i: int, tool) -> str:
     name = f.get("name")
     if not (isinstance(name, str) and NAME.fullmatch(name)):
         raise ValueError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}: {name!r}")
-    try:
-        check_schema(f.get("parameters", NO_PARAMETERS))
-    except ValueError as e:
-        raise ValueError(f"tools[{i}].function.parameters: {e}") from None
+    check_schema(f.get("parameters", NO_PARAMETERS), f"tools[{i}].function.parameters")
     return name
 
 
@@ -159,7 +164,8 @@ def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
         content, blocks = "".join(pieces[::2]), pieces[1::2]
     else:
         bare = text.strip().removeprefix(PYTHON_TAG)
-        content, blocks = "", (_bare_json(bare) if bare.startswith(("{", "[")) else None)
+        content = ""
+        blocks = _bare_json(bare) if bare.startswith(("{", "[")) else None
     calls = [_call(b) for b in blocks or []]
     if not calls or not all(c and c[0] in names for c in calls):
         return text, []
@@ -168,7 +174,9 @@ def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
 
 def _bare_json(text: str) -> list | None:
     """The JSON values of Llama 3's answer: objects, arrays of them, separated by ';' or spaces."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+    decoder = json.JSONDecoder()
+    values = []
+    at = 0
     while at < len(text):
         try:
             value, at = decoder.raw_decode(text, at)
@@ -225,7 +233,8 @@ class ToolCallStream:
         ):
             return {}  # a bare JSON call may be starting
         end = self._content_end()
-        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
+        piece = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
         return {"content": piece} if piece else {}
 
     def _content_end(self) -> int:
@@ -250,7 +259,8 @@ class ToolCallStream:
     def message(self, text: str) -> dict:
         """The whole answer's content and tool_calls (OpenAI's content is null beside calls)."""
         if self.tools.choice not in ("auto", "required"):
-            self.text, self.calls = text, [new_call(self.tools.choice, text)]
+            self.text = text
+            self.calls = [new_call(self.tools.choice, text)]
             return {"content": None, "tool_calls": self.calls}
         content = self._parse(text)
         if not self.calls:

@@ -383,10 +383,10 @@ MUTANTS = [
         "tbts = [b - a for r in done for a, b in zip(r.token_times, r.token_times[2:])]",
         "summarize_every or qoe_counts",
     ),
-    # serve.py
+    # the server: serve.py (HTTP), protocol.py (OpenAI's shapes), api.py (the engine thread)
     M(
         "n-last-finish-reason",
-        "nanoflow/serve.py",
+        "nanoflow/protocol.py",
         "reason = mine[-1].finish_reason",
         "reason = deltas[-1].finish_reason",
         "own_finish_reason or n_choices",
@@ -400,21 +400,21 @@ MUTANTS = [
     ),
     M(
         "usage-counts-every-delta",
-        "nanoflow/serve.py",
+        "nanoflow/protocol.py",
         "completion = sum(e.completion_tokens for e in deltas if e.finish_reason)",
         "completion = sum(e.completion_tokens for e in deltas)",
         "n_choices",
     ),
     M(
         "stream-shows-a-stop-string-start",
-        "nanoflow/serve.py",
+        "nanoflow/api.py",
         "hold = max(len(s) for s in req.params.stop) - 1",
         "hold = 0",
         "openai_client",
     ),
     M(
         "n-choices-share-a-seed",
-        "nanoflow/serve.py",
+        "nanoflow/protocol.py",
         "[(params.seed + i) % 2**64 for i in range(n)]",
         "[params.seed % 2**64 for i in range(n)]",
         "n_choices",
@@ -448,7 +448,7 @@ MUTANTS = [
         "pass",
         "responses_function_call_round_trip",
     ),
-    # tools.py, grammar.py, reasoning.py and their serve.py lines: what clients rely on (issue 42)
+    # tools.py, grammar.py, reasoning.py and their server lines: what clients rely on (issue 42)
     M(
         "tools-length-cut-says-tool-calls",
         "nanoflow/tools.py",
@@ -543,7 +543,7 @@ MUTANTS = [
     ),
     M(
         "reasoning-tools-read-the-thinking",
-        "nanoflow/serve.py",
+        "nanoflow/protocol.py",
         "message.update(self.tool_stream(i).message(text))",
         'message.update(self.tool_stream(i).message("".join(e.reasoning for e in mine) + text))',
         "reasoning_rule",

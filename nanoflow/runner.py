@@ -48,13 +48,11 @@ class ModelRunner:
         return self.forward(ids, positions, meta, to_device(last_rows, torch.long, self.device))
 
     def forward(self, ids: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor) -> Tensor:
-        """The logits of a flat batch's `rows` (its logits_indices), by one forward of the model."""
         if self.ranks:
             self.ranks.send("forward", ids, positions, meta, rows)
         return self.model(ids, positions, self.kv_caches, meta, rows)
 
     def decode(self, ids: Tensor, positions: Tensor, meta: AttnMetadata) -> Tensor:
-        """The logits of a decode-only batch, through the padded decode graphs."""
         if self.ranks:
             self.ranks.send("decode", ids, positions, meta)
         return self.graphs.run(ids, positions, meta)

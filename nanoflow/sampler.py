@@ -14,8 +14,7 @@ from .grammar import apply_bitmasks
 
 def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[int]:
     """One token per row of logits [rows, vocab]. Greedy rows take the argmax; the others race
-    exponential noise: argmax(p / q) with q ~ Exp(1) draws from p, the whole batch at once (a
-    seeded request draws its noise from its own generator)."""
+    exponential noise: argmax(p / q) with q ~ Exp(1) draws from p, the whole batch at once."""
     params = [r.params for r in reqs]
     logits = processed_logits(logits, reqs, eos_token_ids)
     greedy = logits.argmax(-1)

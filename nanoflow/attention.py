@@ -71,9 +71,8 @@ def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     if _use_triton(k.device):
         with launch_device(k.device):
-            store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+            return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -120,7 +119,6 @@ def _interpreting() -> bool:
 
 
 def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
-    """(block, slot, head) strides shared by the two cache views; head_dim must be contiguous."""
     same_pool = k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert same_pool, "K/V caches must be views of one pool"
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -522,9 +520,8 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one sequence's
-    # chunk, one query head, attending causally to the sequence's cached prefix and the chunk (all
-    # in the cache, via its block table).
+    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one chunk, one
+    # head, causal over the cached prefix and the chunk (both read through the block table).
     m_block, head, seq = tl.program_id(0), tl.program_id(1), first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start

@@ -81,8 +81,7 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["?"])[0]
         _check_supported(arch, ARCHITECTURES)
-        # transformers 5 / 4
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5/4
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -330,7 +329,6 @@ class Transformer(nn.Module):
         return self.gather((head @ x.T).T.float())
 
     def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """(layers, block_size, this rank's KV heads, head_dim): one KV block's shape here."""
         attn = self.model.layers[0].self_attn
         return self.config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim
 

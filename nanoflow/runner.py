@@ -58,8 +58,7 @@ class ModelRunner:
         return self.graphs.run(ids, positions, meta)
 
     def capture(self, max_num_seqs: int, max_model_len: int, cuda_graphs: bool) -> None:
-        """Static decode buffers for batches of 1, 2, 4, then every multiple of GRAPH_BATCH_STEP up
-        to max_num_seqs; CUDA graphs if `cuda_graphs` (every rank at once: all-reduces meet)."""
+        """Static decode buffers, CUDA graphs if asked (all ranks at once: all-reduces meet)."""
         if self.ranks:
             self.ranks.send("capture", max_num_seqs, max_model_len, cuda_graphs)
         sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]

@@ -80,7 +80,6 @@ def _token_counts(logits: Tensor, seqs: list[list[int]]) -> Tensor:
         [torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True, padding_value=vocab
     )
     ids = padded.to(logits.device)
-    # one column more than the vocabulary, for the padding
     counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
 

@@ -287,8 +287,7 @@ class Swapper:
         device_work: Callable[[], None],
         finish: Callable[[], None],
     ) -> Transfer | None:
-        """One chunk's device-side copies on the lane's stream; `finish` runs on the host after.
-        The transfer in flight, or None: on CPU it is done on return."""
+        """One chunk's copies on the lane's stream; `finish` runs on the host after."""
         self.counters[direction] += num_blocks * self.block_bytes
         transfer = Transfer(num_blocks * self.block_bytes, finish)
         lane.last_use[lane.slot] = transfer

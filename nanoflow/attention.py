@@ -98,8 +98,7 @@ def _use_triton(device: torch.device) -> bool:
         return False
     if triton is None:
         raise RuntimeError(
-            "the Triton attention backend needs triton: pip install triton, or "
-            "set NANOFLOW_ATTN=torch"
+            "Triton attention needs triton: pip install triton, or set NANOFLOW_ATTN=torch"
         )
     return True
 
@@ -452,7 +451,6 @@ def decode_attention_triton(
 
 
 def decode_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
-    """The decode split kernel's constexprs and warps; padding rows make the group tl.dot's 16."""
     return dict(
         GROUP=group,
         HEAD_DIM=head_dim,

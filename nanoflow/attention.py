@@ -30,19 +30,16 @@ except ImportError:
 
 # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
 LOG2E = math.log2(math.e)
-# Extend tiles: (query tokens per program, keys per loop step, warps). Each was compiled for
-# sm_80 to sm_90 (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no
-# register spills. fp32 dots run on FMA units with whole tiles in registers: small tiles (32 x 32
-# in 8 warps still spills on sm_90). 16-bit tiles at head_dim 128 take half the keys per step, or
-# they spill on sm_80/86.
+# Extend tiles (query tokens per program, keys per step, warps), compiled for sm_80..sm_90
+# (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no register spills.
+# fp32 dots run on FMA units with tiles in registers: 32 x 32 in 8 warps still spills on sm_90.
 EXTEND_TILES_FP32 = (32, 16, 4)
 EXTEND_TILES_16BIT = (64, 64, 4)
-EXTEND_TILES_16BIT_WIDE = (64, 32, 4)  # head_dim > 64
+EXTEND_TILES_16BIT_WIDE = (64, 32, 4)  # head_dim > 64: half the keys, or sm_80/86 spill
 DECODE_BLOCK_N = 64  # keys per step of the decode loop
 DEFAULT_WARPS = 4  # Triton's own default
 DECODE_WARPS_FP32 = 8  # fp32 decode tiles spill on sm_80 with 4 warps (FMA dots again)
-# the merge kernel holds every split's partial output in registers: 64 x head_dim 128 in fp32 fits
-# in 8 warps (4 spill on sm_80)
+# the merge keeps all splits' outputs in registers: 64 x 128 fp32 needs 8 warps on sm_80
 DECODE_MAX_SPLITS = 64
 MERGE_WARPS = 8
 DECODE_MIN_SPLIT = 256  # tokens: a shorter split costs more to merge than its parallelism gains
@@ -72,12 +69,10 @@ def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write each new token's K/V into its slot of the pool (slot_mapping; -1: a padding row)."""
     if _use_triton(k.device):
         with launch_device(k.device):
-            store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+            return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -103,14 +98,12 @@ def _use_triton(device: torch.device) -> bool:
         return False
     if triton is None:
         raise RuntimeError(
-            "the Triton attention backend needs triton: pip install triton, or "
-            "set NANOFLOW_ATTN=torch"
+            "Triton attention needs triton: pip install triton, or set NANOFLOW_ATTN=torch"
         )
     return True
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division, for every count of blocks, splits and tiles."""
     return -(-a // b)
 
 
@@ -125,7 +118,6 @@ def _interpreting() -> bool:
 
 
 def _cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
-    """(block, slot, head) strides shared by the two cache views; head_dim must be contiguous."""
     same_pool = k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert same_pool, "K/V caches must be views of one pool"
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -181,7 +173,6 @@ def _store_kv_kernel(
 def store_kv_triton(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """store_kv_ref's contract, one program per new token."""
     num_tokens, kv_heads, head_dim = k.shape
     same_strides = k.stride() == v.stride() and k.stride(2) == 1
     assert same_strides, "k and v must share strides, head_dim contiguous"
@@ -325,10 +316,9 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # One program: the GROUP query heads that share KV head `kv_head`, of decode sequence `seq`,
-    # attending to the tokens [split * split_len, (split + 1) * split_len) of its context. Writes
-    # their normalized partial outputs and log2-sum-exp2 for the merge kernel. Rows past GROUP pad
-    # the group up to tl.dot's 16.
+    # One program: the GROUP query heads sharing KV head `kv_head` of decode sequence `seq`,
+    # over context tokens [split * split_len, (split + 1) * split_len). Writes their normalized
+    # partial outputs and log2-sum-exp2 for the merge; rows past GROUP pad it to tl.dot's 16.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
@@ -386,8 +376,7 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program: one query head of one decode sequence, its splits' outputs weighted by
-    # exp2(lse - max lse).
+    # One program: one head of one decode sequence, its splits weighted by exp2(lse - max lse)
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -408,16 +397,6 @@ def _decode_merge_kernel(
     )
 
 
-def _decode_split_len(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
-    """Tokens per split: split long contexts until the grid has DECODE_TARGET_PROGRAMS programs."""
-    num_splits = min(
-        cdiv(max_seq_len, DECODE_MIN_SPLIT),
-        cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads),
-        DECODE_MAX_SPLITS,
-    )
-    return cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-
-
 def decode_attention_triton(
     q: Tensor,
     k_cache: Tensor,
@@ -430,12 +409,16 @@ def decode_attention_triton(
     """Flash-decoding: attend over splits of each context in parallel, then merge the splits."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    split_len = _decode_split_len(num_seqs, kv_heads, max_seq_len)
-    num_splits = cdiv(max_seq_len, split_len)
-    part_out = torch.empty(
-        num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    # split long contexts until the grid has DECODE_TARGET_PROGRAMS programs
+    num_splits = min(
+        cdiv(max_seq_len, DECODE_MIN_SPLIT),
+        cdiv(DECODE_TARGET_PROGRAMS, num_seqs * kv_heads),
+        DECODE_MAX_SPLITS,
     )
-    part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+    split_len = cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    num_splits = cdiv(max_seq_len, split_len)
+    part_out = q.new_empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(num_seqs, heads, num_splits, dtype=torch.float32)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
         q,
         k_cache,
@@ -468,7 +451,6 @@ def decode_attention_triton(
 
 
 def decode_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
-    """The decode split kernel's constexprs and warps; padding rows make the group tl.dot's 16."""
     return dict(
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -482,7 +464,6 @@ def decode_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
 
 
 def merge_config(head_dim: int, num_splits: int) -> dict:
-    """The decode merge kernel's constexprs and warps."""
     return dict(
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits),
@@ -497,8 +478,7 @@ def merge_config(head_dim: int, num_splits: int) -> dict:
 def extend_attention_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float, out: Tensor
 ) -> None:
-    """Every prefill/extend chunk of the batch (the sequences after the decodes), into out: each
-    chunk attends causally to its sequence's cached prefix and to itself."""
+    """Chunks after the decodes, into out: each attends causally to its prefix and itself."""
     start = meta.num_decodes
     for i in range(meta.num_decodes, len(meta.query_lens)):
         n = meta.query_lens[i]
@@ -538,9 +518,8 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one sequence's
-    # chunk, one query head, attending causally to the sequence's cached prefix and the chunk (all
-    # in the cache, via its block table).
+    # One program: query tokens [m_block * BLOCK_M, (m_block + 1) * BLOCK_M) of one chunk, one
+    # head, causal over the cached prefix and the chunk (both read through the block table).
     m_block, head, seq = tl.program_id(0), tl.program_id(1), first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -620,7 +599,6 @@ def extend_attention_triton(
 
 
 def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
-    """The extend kernel's constexprs and warps: tiles by dtype and head_dim (EXTEND_TILES_*)."""
     if dtype == torch.float32:
         block_m, block_n, num_warps = EXTEND_TILES_FP32
     else:
@@ -666,7 +644,5 @@ def _whole_batch(decode, extend):
     return attend
 
 
-# torch: the decodes in one batched call, then each prefill chunk in turn
 paged_attention_ref = _whole_batch(decode_attention_ref, extend_attention_ref)
-# Triton: one flash-decoding pass for the decodes, one extend launch for every chunk
 paged_attention_triton = _whole_batch(decode_attention_triton, extend_attention_triton)

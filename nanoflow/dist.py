@@ -76,8 +76,7 @@ def launch(ckpt, device: torch.device, size: int) -> Shard:
 
 
 class Ranks:
-    """Rank 0's line to the other ranks, which first learn the KV pools' shapes: `send(name, *args)`
-    has each of them call its own runner's or swapper's method `name` with these args (`worker`)."""
+    """Rank 0's line to the other ranks: the KV pools' shapes, then every call (`worker`)."""
 
     def __init__(self, kv: KVPool, num_host_blocks: int):
         _broadcast((kv.kv_cache.dtype, kv.num_blocks, kv.block_size, num_host_blocks))

@@ -507,7 +507,6 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def _max_model_len(asked: int | None, context: int, pool_tokens: int) -> int:
-    """The longest request served: the model's context (or less, if asked), at most the KV pool."""
     if asked is not None and not 0 < asked <= context:
         raise ValueError(f"max_model_len must be in [1, {context}] (the model's context): {asked}")
     wanted = asked or context

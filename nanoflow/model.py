@@ -77,16 +77,11 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
-    @property
-    def family(self) -> Family:
-        return ARCHITECTURES[self.architecture]
-
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["?"])[0]
         _check_supported(arch, ARCHITECTURES)
-        # transformers 5 / 4
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5/4
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -239,7 +234,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads // shard.size
         self.num_kv_heads = width(shard.kv_heads(cfg))
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        family, bias = cfg.family, cfg.attention_bias
+        family, bias = ARCHITECTURES[cfg.architecture], cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias or family.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias or family.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias or family.qkv_bias)
@@ -330,12 +325,10 @@ class Transformer(nn.Module):
         x = self.model.norm(x[logits_indices])
         tied = self.config.tie_word_embeddings
         head = self.model.embed_tokens.weight if tied else self.lm_head.weight
-        # head @ x.T rather than F.linear: same product, but CPU BLAS runs this tall-skinny
-        # shape ~1.5x faster
+        # head @ x.T, not F.linear: CPU BLAS runs this tall-skinny product ~1.5x faster
         return self.gather((head @ x.T).T.float())
 
     def kv_block_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """(layers, block_size, this rank's KV heads, head_dim): one KV block's shape here."""
         attn = self.model.layers[0].self_attn
         return self.config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim
 
@@ -435,8 +428,7 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
 
 
 def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
-    """Config, this rank's slices of the dequantized fp32 weights in HuggingFace names, and
-    tokenizer from one GGUF file."""
+    """Config, this rank's dequantized fp32 weights (HF names) and tokenizer of a GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(path)

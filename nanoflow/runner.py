@@ -48,20 +48,17 @@ class ModelRunner:
         return self.forward(ids, positions, meta, to_device(last_rows, torch.long, self.device))
 
     def forward(self, ids: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor) -> Tensor:
-        """The logits of a flat batch's `rows` (its logits_indices), by one forward of the model."""
         if self.ranks:
             self.ranks.send("forward", ids, positions, meta, rows)
         return self.model(ids, positions, self.kv_caches, meta, rows)
 
     def decode(self, ids: Tensor, positions: Tensor, meta: AttnMetadata) -> Tensor:
-        """The logits of a decode-only batch, through the padded decode graphs."""
         if self.ranks:
             self.ranks.send("decode", ids, positions, meta)
         return self.graphs.run(ids, positions, meta)
 
     def capture(self, max_num_seqs: int, max_model_len: int, cuda_graphs: bool) -> None:
-        """Static decode buffers for batches of 1, 2, 4, then every multiple of GRAPH_BATCH_STEP up
-        to max_num_seqs; CUDA graphs if `cuda_graphs` (every rank at once: all-reduces meet)."""
+        """Static decode buffers, CUDA graphs if asked (all ranks at once: all-reduces meet)."""
         if self.ranks:
             self.ranks.send("capture", max_num_seqs, max_model_len, cuda_graphs)
         sizes = [1, 2, 4, *range(GRAPH_BATCH_STEP, max_num_seqs, GRAPH_BATCH_STEP)]

@@ -14,8 +14,7 @@ from .grammar import apply_bitmasks
 
 def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[int]:
     """One token per row of logits [rows, vocab]. Greedy rows take the argmax; the others race
-    exponential noise: argmax(p / q) with q ~ Exp(1) draws from p, the whole batch at once (a
-    seeded request draws its noise from its own generator)."""
+    exponential noise: argmax(p / q) with q ~ Exp(1) draws from p, the whole batch at once."""
     params = [r.params for r in reqs]
     logits = processed_logits(logits, reqs, eos_token_ids)
     greedy = logits.argmax(-1)
@@ -81,7 +80,6 @@ def _token_counts(logits: Tensor, seqs: list[list[int]]) -> Tensor:
         [torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True, padding_value=vocab
     )
     ids = padded.to(logits.device)
-    # one column more than the vocabulary, for the padding
     counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
 

@@ -35,14 +35,13 @@ class Transfer:
 
 @dataclass(eq=False)
 class Lane:
-    """One direction of the link: its stream, two staging pairs (device, pinned host) that take
-    turns, and its chunks in flight, oldest first."""
+    """One direction of the link: its stream, two staging slots in turn, its chunks in flight."""
 
     stream: torch.cuda.Stream | None
-    staging: list[tuple[torch.Tensor, torch.Tensor]]
+    staging: list[tuple[torch.Tensor, torch.Tensor]]  # per slot: (device, pinned host)
     last_use: list[Transfer | None] = field(default_factory=lambda: [None, None])  # per slot
     slot: int = 0
-    in_flight: deque[Transfer] = field(default_factory=deque)
+    in_flight: deque[Transfer] = field(default_factory=deque)  # oldest first
     queued_bytes: int = 0  # issued and not finished yet
 
 
@@ -195,10 +194,8 @@ class Swapper:
 
     def backlog(self, lane: Lane | None = None) -> float:
         """Estimated seconds until the copies issued so far (on one lane, or both) are done."""
-        return (
-            max(x.queued_bytes for x in ([lane] if lane else [self.out, self.back]))
-            / self.bandwidth
-        )
+        lanes = [lane] if lane else [self.out, self.back]
+        return max(x.queued_bytes for x in lanes) / self.bandwidth
 
     def transfer_time(self, num_blocks: int) -> float:
         return num_blocks * self.block_bytes / self.bandwidth
@@ -208,7 +205,6 @@ class Swapper:
         return self.backlog(self.back) + self.transfer_time(num_blocks)
 
     def blocks_in(self, seconds: float) -> int:
-        """Blocks the link carries in this many seconds (at least one)."""
         return max(1, int(seconds * self.bandwidth / self.block_bytes))
 
     def poll(self) -> None:
@@ -221,7 +217,9 @@ class Swapper:
 
     def complete_all(self) -> None:
         """Wait for every copy; every block they held is free again."""
-        self._drain()
+        for lane in (self.out, self.back):
+            while lane.in_flight:
+                self._finish_oldest(lane)
         for pool in (self.device, self.host):
             for event, _ in pool.pending_free:
                 event.synchronize()
@@ -289,8 +287,7 @@ class Swapper:
         device_work: Callable[[], None],
         finish: Callable[[], None],
     ) -> Transfer | None:
-        """One chunk's device-side copies on the lane's stream; `finish` runs on the host after.
-        The transfer in flight, or None: on CPU it is done on return."""
+        """One chunk's copies on the lane's stream; `finish` runs on the host after."""
         self.counters[direction] += num_blocks * self.block_bytes
         transfer = Transfer(num_blocks * self.block_bytes, finish)
         lane.last_use[lane.slot] = transfer
@@ -311,11 +308,6 @@ class Swapper:
         lane.queued_bytes += transfer.nbytes
         lane.in_flight.append(transfer)
         return transfer
-
-    def _drain(self) -> None:
-        for lane in (self.out, self.back):
-            while lane.in_flight:
-                self._finish_oldest(lane)
 
     def _finish_oldest(self, lane: Lane) -> None:
         t = lane.in_flight.popleft()

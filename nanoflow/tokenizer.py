@@ -62,15 +62,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
-        from tokenizers import (
-            AddedToken,
-            Regex,
-            Tokenizer as TK,
-            decoders,
-            models,
-            normalizers,
-            pre_tokenizers,
-        )
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as TK
 
         def field(key: str, default=None):
             f = reader.fields.get(key)

@@ -1,8 +1,7 @@
 """A thinking model's reasoning, apart from its answer: the server's `--reasoning-parser qwen3`.
 
 The engine stops and counts tokens over the whole text; only the chat answer is split: the thinking
-(between <think> and </think>) goes to `reasoning_content`, as in vLLM, the rest to `content`.
-It imports no nanoflow module.
+(<think>...</think>) goes to `reasoning_content`, as in vLLM, the rest to `content`. No imports.
 """
 
 from collections.abc import Iterator

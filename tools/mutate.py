@@ -41,6 +41,7 @@ class Mutant:
 
 
 M = Mutant
+TOKENFLOW_SUBSET = "tokenflow or by_hand or fcfs or preempt"  # the policies' fast subset
 MUTANTS = [
     # sched.py: TokenFlow's decisions
     M(
@@ -56,6 +57,148 @@ MUTANTS = [
         "for r in sorted(others, key=urgency.get, reverse=True):",
         "for r in sorted(others, key=urgency.get):",
         "victims_are_the_least",
+    ),
+    # policies.py: TokenFlow's rules, a fresh round planted 2026-12-03 (13 of 20 caught at first;
+    # the seven survivors now have tests by hand)
+    M(
+        "tokenflow-overloaded-inverted",
+        "nanoflow/policies.py",
+        "self.overloaded = sum(r.read_rate for r in started) > capacity",
+        "self.overloaded = sum(r.read_rate for r in started) < capacity",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-newcomers-ignore-prefill",
+        "nanoflow/policies.py",
+        "if demand > capacity or prefill < 0:",
+        "if demand > capacity:",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-past-capacity-newcomer-waits-not",
+        "nanoflow/policies.py",
+        "newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]",
+        "newcomers = newcomers[:1]",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-hysteresis-wrong-way",
+        "nanoflow/policies.py",
+        "slack *= 1 - self.config.hysteresis",
+        "slack *= 1 + self.config.hysteresis",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-newcomers-most-urgent",
+        "nanoflow/policies.py",
+        "return Urgency.NEWCOMER, req.arrival_time",
+        "return Urgency.DRY_SOON, req.arrival_time",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-fill-ignores-growth",
+        "nanoflow/policies.py",
+        "need = cdiv(r.num_tokens + min(r.num_tokens_left, growth), s.kv.block_size)",
+        "need = cdiv(r.num_tokens, s.kv.block_size)",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-preempt-just-moved",
+        "nanoflow/policies.py",
+        "settled = req.started and now - req.last_moved >= self.config.interval",
+        "settled = req.started",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-preempt-nearly-done",
+        "nanoflow/policies.py",
+        "if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:",
+        "if not settled:",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-switch-ignores-unsynced",
+        "nanoflow/policies.py",
+        "switch = min(s.swapper.copy_done_in(unsynced + blocks), switch)",
+        "switch = min(s.swapper.copy_done_in(blocks), switch)",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-victim-oldest-newcomer",
+        "nanoflow/policies.py",
+        "return fresh[-1]",
+        "return fresh[0]",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-victim-least-buffered",
+        "nanoflow/policies.py",
+        "return max(can_wait or s.running, key=lambda r: r.dry_at)",
+        "return min(can_wait or s.running, key=lambda r: r.dry_at)",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-budget-ignores-step",
+        "nanoflow/policies.py",
+        "prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate",
+        "prompt_tokens = max(0.0, slack) * s.rates.prefill_rate",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-stall-outweighs-inverted",
+        "nanoflow/policies.py",
+        "return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall",
+        "return wait * sum(r.num_tokens_left for r in served) < self.config.stall_weight * stall",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-member-skipped-for-memory",
+        "nanoflow/policies.py",
+        "return  # while a member waits for memory, nobody outside the keep-set may take it",
+        "continue",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-preempted-readmitted-at-once",
+        "nanoflow/policies.py",
+        "if r.status == RequestStatus.WAITING or now - r.last_moved >= self.config.interval",
+        "if r.status == RequestStatus.WAITING or now - r.last_moved >= 0",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-writes-smallest-buffers-first",
+        "nanoflow/policies.py",
+        "by_buffer = sorted(filled, key=lambda r: -r.dry_at)",
+        "by_buffer = sorted(filled, key=lambda r: r.dry_at)",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-no-write-through-while-waiting",
+        "nanoflow/policies.py",
+        "return bool(s.waiting) or (s.swapper.async_copies and nearly_full)",
+        "return s.swapper.async_copies and nearly_full",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-growth-reserve-inverted",
+        "nanoflow/policies.py",
+        "if not s.swapper or s.swapper.host.num_free >= s.kv.num_blocks - s.kv.num_free:",
+        "if not s.swapper or s.swapper.host.num_free < s.kv.num_blocks - s.kv.num_free:",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-victims-ignore-the-link",
+        "nanoflow/policies.py",
+        "if (blocks <= 0 and seats <= 0) or link <= 0:",
+        "if blocks <= 0 and seats <= 0:",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-lead-without-interval",
+        "nanoflow/policies.py",
+        "return switch + self.config.interval\n",
+        "return switch\n",
+        TOKENFLOW_SUBSET,
     ),
     # sched.py: the mechanism and FCFS
     M(
@@ -602,8 +745,8 @@ SUBSETS = {
     "nanoflow/runner.py": "padded or forced_preemption or logits_match or tensor_parallel",
     "benchmarks/fleet.py": "fleet",
     "nanoflow/swap.py": "swap or host or lanes or load or demotion or evict or forced_preemption",
-    "nanoflow/sched.py": "tokenflow or by_hand or fcfs or preempt",
-    "nanoflow/policies.py": "tokenflow or by_hand or fcfs or preempt",
+    "nanoflow/sched.py": TOKENFLOW_SUBSET,
+    "nanoflow/policies.py": TOKENFLOW_SUBSET,
 }
 
 

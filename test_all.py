@@ -7755,7 +7755,7 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt, tmp_p
         out, threads = start_streams(fleet, ["d0", "d1", "d2", "d3"])
         draining = carried(fleet, 1) & set(out)
         assert draining, "round_robin gave replica 1 streams"
-        fleet.drain(1)  # SIGTERM (again, until /health says draining: docs/fleet.md)
+        fleet.drain(1)  # one SIGTERM, then /health says draining
         during = [f"during-drain-{k}" for k in range(4)]
         assert [router_call(fleet.port, rid) for rid in during] == [200] * 4
         for t in threads:

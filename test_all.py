@@ -3507,6 +3507,37 @@ def test_bench_http(ckpt, tmp_path, capsys):
         srv.shutdown()
 
 
+def test_bench_http_multi_turn_resends_the_answers_as_text(ckpt, tmp_path, capsys, monkeypatch):
+    """--http --multi-turn: each later turn is a chat carrying the earlier messages and answers as
+    text, with its conversation's X-Session-ID; the server finds the earlier turn's prefix."""
+    srv = make_server(
+        LLM(ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny"
+    ).start()
+    from nanoflow.serve import Handler
+
+    seen = []
+    run = Handler._run
+
+    def recorded(handler, body, *args):
+        seen.append((handler.headers["X-Session-ID"], body))
+        return run(handler, body, *args)
+
+    monkeypatch.setattr(Handler, "_run", recorded)
+    try:
+        path = tmp_path / "turns.json"
+        turns = ["--multi-turn", "2", "--turns", "2", "--think-time", "0.1", "--seed", "1"]
+        sizes = ["--prompt-len", "24:2", "--output-len", "6:1", "--read-rate", "20"]
+        bench.main(["--http", srv.url, *turns, *sizes, "--json", str(path)])
+        report = json.loads(path.read_text())["policies"]["http"]
+        assert report["completed"] == report["requests"] == 4
+        assert report["prefix_hit_tokens"] > 0
+    finally:
+        srv.shutdown()
+    assert sorted(h for h, _ in seen) == ["conversation-0"] * 2 + ["conversation-1"] * 2
+    later = [b["messages"] for _, b in seen if len(b["messages"]) == 3]
+    assert len(later) == 2 and all(m[1]["role"] == "assistant" and m[1]["content"] for m in later)
+
+
 def test_bench_fidelity_fits_runs_and_replays(ckpt, tmp_path, capsys):
     """--fidelity: a cost model fitted in the run, the workload on the engine and on the simulator
     with that fit, per policy: both sides' metrics and the simulator's relative error."""

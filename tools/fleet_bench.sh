@@ -11,7 +11,7 @@
 #
 #   pip install -e ".[fleet]"
 #   tools/fleet_bench.sh [OUT]                     # OUT: default fleet-bench-<date>
-#   FLEET_BENCH_SMOKE=1 tools/fleet_bench.sh OUT   # tiny sizes: proves it runs, numbers mean nothing
+#   FLEET_BENCH_SMOKE=1 tools/fleet_bench.sh OUT   # tiny sizes (~5 min): proves it runs, numbers mean nothing
 #   FLEET_BENCH_SERVE_ARGS="--ckpt ./model" ...    # more flags for every replica
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2133,6 +2133,49 @@ def test_unknown_fields_are_ignored_with_a_warning_and_top_k_0_is_off(server, mo
     assert [p.top_k for _, p in got] == [0, -1]
 
 
+# what vLLM's router 0.1.17 adds to each chat request it passes on (docs/fleet.md)
+ROUTER_DEFAULTS = dict(
+    stream=False,
+    logprobs=False,
+    ignore_eos=False,
+    no_stop_trim=False,
+    continue_final_message=False,
+    skip_special_tokens=True,
+    separate_reasoning=True,
+    stream_reasoning=True,
+    return_hidden_states=False,
+    include_reasoning=True,
+)
+
+
+def test_the_load_a_router_reads_counts_requests_in_flight_and_its_defaults_pass(
+    server, gate, caplog
+):
+    """GET /get_load (vLLM's router, power_of_two) and GET /load (vLLM): the requests running or
+    waiting. The fields the router fills in pass without a warning, as their defaults; another
+    value of one is a 400, as any option nanoflow does not serve."""
+    caplog.set_level(logging.WARNING, logger="nanoflow")
+    body = dict(messages=HELLO, max_tokens=2, **ROUTER_DEFAULTS)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(call(server, "POST", CHAT, body)))]
+    threads.append(
+        threading.Thread(target=lambda: answers.append(call(server, "POST", CHAT, body)))
+    )
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.num_in_flight == 2, timeout=10)
+    loads = [call(server, "GET", path)[2] for path in ("/get_load", "/load")]
+    assert loads == [{"load": 2, "server_load": 2}] * 2
+    gate.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert [a[0] for a in answers] == [200, 200]
+    assert call(server, "GET", "/get_load")[2]["load"] == 0
+    assert [r for r in caplog.records if r.levelno == logging.WARNING] == []
+    status, _, err = call(server, "POST", CHAT, {**body, "continue_final_message": True})
+    assert status == 400 and "continue_final_message" in err["error"]["message"]
+
+
 def test_generation_config_gives_defaults_and_the_server_overrides_it(
     ckpt, tmp_path, monkeypatch, demo
 ):
@@ -2577,7 +2620,12 @@ def test_read_rates_are_clamped(ckpt):
     }
 
 
-def test_sigterm_drains_streams_and_exits_0(ckpt):
+@pytest.mark.parametrize("to", ["the process", "another thread"])
+def test_sigterm_drains_streams_and_exits_0(ckpt, to):
+    """SIGTERM drains: the streams in flight run to their end, then the server exits 0. The kernel
+    may hand a process's SIGTERM to any of its threads (a busy engine thread too): `os.kill` with a
+    thread's id hands it to that thread first, which a main thread blocked in a wait without a
+    timeout never saw (phase 1 of issue 44: 4 of 8 SIGTERMs missed with two streams in flight)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -2602,17 +2650,22 @@ def test_sigterm_drains_streams_and_exits_0(ckpt):
         line = proc.stdout.readline()
         assert "serving tiny-llama" in line, proc.stderr.read()
         host, port = line.split("http://")[1].split("/")[0].split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        body = dict(prompt="hello", max_tokens=300, ignore_eos=True, stream=True)
-        conn.request("POST", "/v1/completions", json.dumps(body))
-        events = sse(conn.getresponse())
-        next(events)
-        proc.send_signal(signal.SIGTERM)
-        chunks = [c for _, c in events]
-        # the stream ran to its end
-        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
+        streams = []
+        for _ in range(2):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            body = dict(prompt="hello", max_tokens=300, ignore_eos=True, stream=True)
+            conn.request("POST", "/v1/completions", json.dumps(body))
+            streams.append(sse(conn.getresponse()))
+            next(streams[-1])
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        targets = [proc.pid] if to == "the process" else [t for t in threads if t != proc.pid]
+        os.kill(targets[-1], signal.SIGTERM)  # one SIGTERM: a Kubernetes rolling update sends one
+        for events in streams:
+            chunks = [c for _, c in events]
+            # the stream ran to its end
+            assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=20) == 0
-        assert "1 requests finished, 0 cut" in proc.stderr.read()
+        assert "2 requests finished, 0 cut" in proc.stderr.read()
     finally:
         proc.kill()
 
@@ -3452,6 +3505,37 @@ def test_bench_http(ckpt, tmp_path, capsys):
         check_bench_output(capsys.readouterr().out, path, ["http"])
     finally:
         srv.shutdown()
+
+
+def test_bench_http_multi_turn_resends_the_answers_as_text(ckpt, tmp_path, capsys, monkeypatch):
+    """--http --multi-turn: each later turn is a chat carrying the earlier messages and answers as
+    text, with its conversation's X-Session-ID; the server finds the earlier turn's prefix."""
+    srv = make_server(
+        LLM(ckpt, device="cpu", num_kv_blocks=64), "127.0.0.1", 0, model="tiny"
+    ).start()
+    from nanoflow.serve import Handler
+
+    seen = []
+    run = Handler._run
+
+    def recorded(handler, body, *args):
+        seen.append((handler.headers["X-Session-ID"], body))
+        return run(handler, body, *args)
+
+    monkeypatch.setattr(Handler, "_run", recorded)
+    try:
+        path = tmp_path / "turns.json"
+        turns = ["--multi-turn", "2", "--turns", "2", "--think-time", "0.1", "--seed", "1"]
+        sizes = ["--prompt-len", "24:2", "--output-len", "6:1", "--read-rate", "20"]
+        bench.main(["--http", srv.url, *turns, *sizes, "--json", str(path)])
+        report = json.loads(path.read_text())["policies"]["http"]
+        assert report["completed"] == report["requests"] == 4
+        assert report["prefix_hit_tokens"] > 0
+    finally:
+        srv.shutdown()
+    assert sorted(h for h, _ in seen) == ["conversation-0"] * 2 + ["conversation-1"] * 2
+    later = [b["messages"] for _, b in seen if len(b["messages"]) == 3]
+    assert len(later) == 2 and all(m[1]["role"] == "assistant" and m[1]["content"] for m in later)
 
 
 def test_bench_fidelity_fits_runs_and_replays(ckpt, tmp_path, capsys):
@@ -7711,7 +7795,7 @@ def test_replicas_behind_vllm_router_survive_a_kill_rejoin_and_drain(ckpt, tmp_p
         out, threads = start_streams(fleet, ["d0", "d1", "d2", "d3"])
         draining = carried(fleet, 1) & set(out)
         assert draining, "round_robin gave replica 1 streams"
-        fleet.drain(1)  # SIGTERM (again, until /health says draining: docs/fleet.md)
+        fleet.drain(1)  # one SIGTERM, then /health says draining
         during = [f"during-drain-{k}" for k in range(4)]
         assert [router_call(fleet.port, rid) for rid in during] == [200] * 4
         for t in threads:

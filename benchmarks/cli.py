@@ -3,8 +3,9 @@
 `python bench.py --burst 64` builds one workload from a seed (arrivals, prompt and output lengths,
 each request's reading rate), runs it on the engine once per policy and prints TTFT, stalls, QoE
 and throughput of each (docs/scheduling.md). `--simulate` drives a simulated engine on a virtual
-clock, `--http URL` a running server (timed at the client); `--multi-turn N` runs chats that resend
-the conversation. `--gpu-check` times the GPU parts.
+clock, `--http URL` a running server or a router in front of replicas (timed at the client, counters
+summed over the router's /workers); `--multi-turn N` runs chats that resend the conversation (over
+HTTP as text, an X-Session-ID each). `--gpu-check` times the GPU parts.
 """
 
 # (this docstring is `bench.py --help`'s description)
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(FILTER: by name), both policies, --repeat K (default 2) with the order alternating, "
         "beside the simulator fitted in the same run",
     )
-    add("--http", metavar="URL", help="send the workload to a running server (nanoflow.serve)")
+    add("--http", metavar="URL", help="send the workload to a running server or router")
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
     add(
@@ -187,9 +188,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--fidelity needs a workload, --read-rate (both sides read the same) and the "
             "real engine (no --simulate, --http or --replicas)"
         )
-    if args.http and (args.read_rate == "auto" or args.multi_turn):
-        ap.error(
-            "--http needs --read-rate (auto measures an engine in this process) and no "
-            "--multi-turn (a later turn needs the answer's tokens)"
-        )
+    if args.http and args.read_rate == "auto":
+        ap.error("--http needs --read-rate (auto measures an engine in this process)")
     return args

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import random
 import sys
 import threading
 import time
@@ -46,6 +47,8 @@ CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its
 GOOD_SHARE = 0.97  # --find-replicas: the share of requests that must reach QoE >= 0.95
 DEFAULT_KV_FRAC = 0.3  # device KV pool: this share of what the whole burst needs at full length
 HTTP_TIMEOUT_S = 600.0
+# --http --multi-turn: the words of each new message (common ones: about a token each)
+WORDS = ("the", "a", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on")
 # the engine's flags that bench takes (the others are bench's own or set per policy)
 ENGINE_FLAGS = [
     "device",
@@ -237,66 +240,130 @@ def find_replicas(engine, w: Workload, label: str, router: str, args: argparse.N
     return runs[high]
 
 
-def http_call(url: str, method: str, path: str, body: dict | None = None):
+def http_call(
+    url: str, method: str, path: str, body: dict | None = None, headers: dict | None = None
+):
     """A request to the server at url (with or without /v1); the response, headers read."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=HTTP_TIMEOUT_S)
     path = parts.path.rstrip("/").removesuffix("/v1") + path
-    conn.request(method, path, body and json.dumps(body), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body and json.dumps(body), headers)
     return conn.getresponse()
 
 
-def http_stream(url: str, w: Workload, i: int, start: float, out: list) -> None:
-    """One request as an OpenAI streaming completion; out[i] gets the client-side token times."""
-    time.sleep(max(0.0, start + w.arrival[i] - time.monotonic()))
+def http_stream(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[list, str]:
+    """One streamed request (a completion or a chat): the client-side token times, the text."""
     times = []
     tokens = 0
-    body = {
-        "prompt": w.prompt_ids(i),
-        "max_tokens": w.output_len[i],
-        "temperature": 0,
-        "ignore_eos": True,
-        "read_rate": w.rate[i],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    pieces = []
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        resp = http_call(url, "POST", "/v1/completions", body)
+        resp = http_call(url, "POST", path, body, headers)
         if resp.status != 200:
             error = resp.read().decode(errors="replace")
-            print(f"request {i}: HTTP {resp.status}: {error}", file=sys.stderr)
+            print(f"{path}: HTTP {resp.status}: {error}", file=sys.stderr)
         for line in resp if resp.status == 200 else []:
             if line.startswith(b"data: {"):
                 chunk = json.loads(line[6:])
                 tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-                if any(c.get("text") for c in chunk["choices"]):
+                new = [c.get("text") or c.get("delta", {}).get("content") for c in chunk["choices"]]
+                if any(new):
                     times.append(time.monotonic())
+                    pieces += filter(None, new)
     except OSError as e:
-        print(f"request {i}: {e}", file=sys.stderr)
+        print(f"{path}: {e}", file=sys.stderr)
     # a chunk that carries several tokens (a character split across tokens) counts them at the end
-    out[i] = times + times[-1:] * (tokens - len(times))
+    return times + times[-1:] * (tokens - len(times)), "".join(pieces)
 
 
-def scrape_counters(url: str) -> dict[str, float]:
-    text = http_call(url, "GET", "/metrics").read().decode()
-    values = dict(x.rsplit(" ", 1) for x in text.splitlines() if x and not x.startswith("#"))
-    return {k: float(values.get(f"nanoflow_{k}_total", 0)) for k in COUNTERS}
+def sampling(w: Workload, i: int) -> dict:
+    return {
+        "max_tokens": w.output_len[i],
+        "temperature": 0,
+        "ignore_eos": True,
+        "read_rate": w.rate[i],
+    }
+
+
+def send_request(url: str, w: Workload, i: int, start: float, out: list, sent: list) -> None:
+    """One request as a streamed completion of token ids, sent at its arrival time."""
+    time.sleep(max(0.0, start + w.arrival[i] - time.monotonic()))
+    sent[i] = start + w.arrival[i]
+    out[i] = http_stream(url, "/v1/completions", {"prompt": w.prompt_ids(i), **sampling(w, i)})[0]
+
+
+def message(w: Workload, i: int) -> str:
+    """Turn i's new message as text: about as many words (a token each, roughly) as its tokens."""
+    rng = random.Random(w.seed * 1_000_003 + i)
+    f = w.follows[i]
+    size = w.prompt_len[i] - (w.prompt_len[f] + w.output_len[f] if f >= 0 else 0)
+    return f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(max(1, size)))
+
+
+def send_conversation(url: str, w: Workload, c: int, start: float, out: list, sent: list) -> None:
+    """Conversation c's turns as streamed chats, each resending the earlier messages and answers
+    as text, a think time after the previous answer ends; one X-Session-ID per conversation (what
+    a router's session-affine policies read)."""
+    nexts = {f: i for i, f in enumerate(w.follows) if f >= 0}
+    messages = []
+    i = c
+    at = start + w.arrival[c]
+    while i is not None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        sent[i] = at
+        messages.append({"role": "user", "content": message(w, i)})
+        body = {"messages": messages, **sampling(w, i)}
+        headers = {"X-Session-ID": f"conversation-{c}"}
+        out[i], answer = http_stream(url, "/v1/chat/completions", body, headers)
+        messages.append({"role": "assistant", "content": answer})
+        ended = out[i][-1] if out[i] else time.monotonic()
+        i = nexts.get(i)
+        at = ended + (w.arrival[i] if i is not None else 0)
+
+
+def servers(url: str) -> list[str]:
+    """The replicas behind a router (vllm-router's GET /workers lists them), else url itself."""
+    resp = http_call(url, "GET", "/workers")
+    answer = resp.read()
+    if resp.status != 200 or not answer.startswith(b"{"):
+        return [url]
+    return [worker["url"] for worker in json.loads(answer).get("workers", [])] or [url]
+
+
+def scrape_counters(urls: list[str]) -> dict[str, float]:
+    """COUNTERS summed over the servers' /metrics."""
+    total = dict.fromkeys(COUNTERS, 0.0)
+    for url in urls:
+        text = http_call(url, "GET", "/metrics").read().decode()
+        values = dict(x.rsplit(" ", 1) for x in text.splitlines() if x and not x.startswith("#"))
+        for k in COUNTERS:
+            total[k] += float(values.get(f"nanoflow_{k}_total", 0))
+    return total
 
 
 def drive_http(url: str, w: Workload) -> Run:
-    """The workload through a running server: one thread per request, timed at the client."""
+    """The workload through a running server, or a router in front of several: one thread per
+    request (--multi-turn: per conversation), timed at the client. Counters: summed over every
+    replica the router lists."""
     try:
         while b'"loading"' in http_call(url, "GET", "/health").read():  # its checkpoint
             time.sleep(1)
         wall = time.monotonic()
-        before = scrape_counters(url)
+        urls = servers(url)
+        before = scrape_counters(urls)
     except OSError as e:
         raise SystemExit(f"no server at {url} ({e}); start one: python -m nanoflow.serve") from None
     start = time.monotonic() + 0.1
     times = [None] * len(w)
+    sent = [start + a for a in w.arrival]
+    if w.follows:  # the first turns start the conversations
+        send, firsts = send_conversation, [i for i, f in enumerate(w.follows) if f < 0]
+    else:
+        send, firsts = send_request, range(len(w))
     threads = [
-        threading.Thread(target=http_stream, args=(url, w, i, start, times), daemon=True)
-        for i in range(len(w))
+        threading.Thread(target=send, args=(url, w, i, start, times, sent), daemon=True)
+        for i in firsts
     ]
     for t in threads:
         t.start()
@@ -304,10 +371,11 @@ def drive_http(url: str, w: Workload) -> Run:
     while any(t.is_alive() for t in threads):
         bar.show(sum(x is not None for x in times), sum(len(x) for x in times if x))
         time.sleep(0.1)
-    bar.show(len(w), sum(len(x) for x in times), final=True)
-    records = [RequestRecord(start + a, x or [], r) for a, x, r in zip(w.arrival, times, w.rate)]
-    counters = {k: int(v - before[k]) for k, v in scrape_counters(url).items()}
-    return Run("http", records, start + w.arrival[0], counters, time.monotonic() - wall)
+    bar.show(len(w), sum(len(x or []) for x in times), final=True)
+    records = [RequestRecord(a, x or [], r) for a, x, r in zip(sent, times, w.rate)]
+    counters = {k: int(v - before[k]) for k, v in scrape_counters(urls).items()}
+    name = f"http x{len(urls)}" if len(urls) > 1 else "http"
+    return Run(name, records, start + w.arrival[0], counters, time.monotonic() - wall)
 
 
 def engine_factory(args: argparse.Namespace, w: Workload):

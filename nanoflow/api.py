@@ -77,12 +77,8 @@ class EngineLoop(threading.Thread):
             )
             if wait is not None:
                 retry = max(RETRY_AFTER_S, math.ceil(wait))
-                raise HTTPError(
-                    503,
-                    f"{self.num_queued} requests are already waiting; retry in {retry} s",
-                    "overloaded",
-                    {"Retry-After": str(retry)},
-                )
+                message = f"{self.num_queued} requests are already waiting; retry in {retry} s"
+                raise HTTPError(503, message, "overloaded", {"Retry-After": str(retry)})
             self.num_queued += len(request_ids)
             for i, (request_id, p) in enumerate(zip(request_ids, params)):
                 choice = Choice(deltas, i, tag)

@@ -37,6 +37,11 @@ SAMPLING_FIELDS = [
 ]
 # OpenAI parameters the engine cannot honour: accepted only when absent, null or this neutral value
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": "", "functions": [], "function_call": "none"}
+# vLLM's and SGLang's, that vLLM's router fills in with these defaults: nanoflow's behaviour (the
+# last message not continued, stop strings trimmed, specials skipped, thinking apart and streamed)
+UNSUPPORTED |= dict(continue_final_message=False, no_stop_trim=False, return_hidden_states=False)
+UNSUPPORTED |= dict(skip_special_tokens=True, separate_reasoning=True, stream_reasoning=True)
+UNSUPPORTED |= dict(include_reasoning=True)
 # the other fields a body may carry, by what they are about
 PROMPT_FIELDS = ("model", "messages", "prompt", "chat_template_kwargs", "user")
 OUTPUT_FIELDS = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "n")

@@ -168,6 +168,11 @@ class Handler(BaseHTTPRequestHandler):
         text = metrics.render(loop.snapshot, loop.num_queued, self.server.model_names[0])
         self.send_bytes(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
+    def load(self) -> None:
+        """vLLM's router's load report (/get_load) and vLLM's (/load): requests in the engine."""
+        load = self.server.num_in_flight
+        self.send_json(200, {"load": load, "server_load": load})
+
     def tokenize(self) -> None:
         """vLLM's /tokenize: a `prompt` or chat `messages` to token ids."""
         body = self.read_json()
@@ -185,12 +190,6 @@ class Handler(BaseHTTPRequestHandler):
         if not (ids and all(0 <= t < vocab for t in tokens)):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self.send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
-
-    def chat_completions(self) -> None:
-        self._openai(chat=True)
-
-    def completions(self) -> None:
-        self._openai(chat=False)
 
     def _openai(self, chat: bool) -> None:
         body = self.read_json()
@@ -249,12 +248,6 @@ class Handler(BaseHTTPRequestHandler):
         for chunk in chunks(reply, deltas, n):
             self.sse(chunk)
         self.wfile.write(b"data: [DONE]\n\n")
-
-    def anthropic_messages(self) -> None:
-        self._translated(anthropic)
-
-    def openai_responses(self) -> None:
-        self._translated(responses)
 
     def _translated(self, api) -> None:
         """Anthropic's or Responses' endpoint: the body runs as chat's, the answer is translated."""
@@ -368,19 +361,21 @@ class Handler(BaseHTTPRequestHandler):
 
 
 ROUTES = {
-    "/v1/chat/completions": ("POST", Handler.chat_completions),
-    "/v1/completions": ("POST", Handler.completions),
+    "/v1/chat/completions": ("POST", functools.partial(Handler._openai, chat=True)),
+    "/v1/completions": ("POST", functools.partial(Handler._openai, chat=False)),
     "/v1/models": ("GET", Handler.models),
     "/tokenize": ("POST", Handler.tokenize),
     "/detokenize": ("POST", Handler.detokenize),
     "/health": ("GET", Handler.health),
     "/metrics": ("GET", Handler.metrics),
+    "/get_load": ("GET", Handler.load),
+    "/load": ("GET", Handler.load),
     "/": ("GET", live.live_page),
     "/v1/engine/events": ("GET", live.engine_events),
     "/v1/engine/burst": ("POST", live.engine_burst),
-    ANTHROPIC_PATH: ("POST", Handler.anthropic_messages),
+    ANTHROPIC_PATH: ("POST", functools.partial(Handler._translated, api=anthropic)),
     "/v1/messages/count_tokens": ("POST", Handler.count_tokens),
-    "/v1/responses": ("POST", Handler.openai_responses),
+    "/v1/responses": ("POST", functools.partial(Handler._translated, api=responses)),
 }
 
 
@@ -412,10 +407,8 @@ class Server(ThreadingHTTPServer):
         reasoning_parser: str | None = None,
     ):
         if reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ValueError(
-                f"unknown reasoning parser {reasoning_parser!r}; known: "
-                f"{', '.join(REASONING_PARSERS)}"
-            )
+            known = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {known}")
         super().__init__((host, port), Handler)
         self.reasoning_parser = reasoning_parser
         self.model_names = [model] if isinstance(model, str) else list(model)
@@ -586,7 +579,9 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"nanoflow: serving {names[0]} at {server.url}/v1", flush=True)
-    stop.wait()
+    # a timeout: a signal the kernel gave another thread runs its handler here only once we wake
+    while not stop.wait(0.5):
+        pass
     log.info(
         "shutting down: %d requests in flight may finish within %ss",
         server.num_in_flight,

@@ -165,16 +165,13 @@ class Fleet:
             os.killpg(self.replicas[i].pid, sig)
 
     def drain(self, i: int, timeout: float = 10) -> None:
-        """SIGTERM to replica i until it drains (/health no longer 200). Once is not always
-        enough: the kernel hands a process's signal to any of its threads, and nanoflow.serve's
-        main thread, blocked in `stop.wait()` without a timeout, misses one that another thread
-        took (docs/fleet.md). A second SIGTERM to a draining replica changes nothing."""
+        """SIGTERM to replica i; returns once it drains (/health no longer 200)."""
+        self.signal(i, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while self.replicas[i].poll() is None and healthy(self.replica_url(i)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {i} still answers /health 200 after SIGTERM")
-            self.signal(i, signal.SIGTERM)
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     def restart(self, i: int, timeout: float = 300) -> None:
         """Replica i again on its port, once the old one has exited."""

@@ -112,8 +112,7 @@ class EngineLoop(threading.Thread):
 
     def _take_inbox(self, block: bool) -> bool:
         """Make the inbox's calls (waiting for one when idle); False once asked to stop."""
-        # viewers see an idle engine too
-        wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None
+        wait = SNAPSHOT_INTERVAL_S if self.live.viewers else None  # viewers see an idle engine too
         try:
             calls = [self.inbox.get(timeout=wait)] if block else []
         except queue.Empty:

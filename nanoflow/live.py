@@ -199,9 +199,6 @@ def burst_requests(body: dict, engine: Engine) -> list[tuple[list[int], Sampling
     return out
 
 
-# ---------------------------------------------------------------- its endpoints, as Handler methods
-
-
 def live_page(handler) -> None:
     handler.send_bytes(200, page(), "text/html; charset=utf-8")
 
@@ -221,8 +218,7 @@ def engine_events(handler) -> None:
 def engine_burst(handler) -> None:
     """The page's burst, sent from here: a browser holds only six connections to one server."""
     requests = burst_requests(handler.read_json(), handler.server.engine)
-    # nobody reads these queues: each is dropped with its finished request
-    queues = []
+    queues = []  # nobody reads them: each is dropped with its finished request
     try:
         for ids, params in requests:
             request_id = f"burst-{uuid.uuid4().hex[:8]}"

@@ -179,8 +179,7 @@ def sampling_params(
     given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
-    # by default, up to the end of the context (as OpenAI and vLLM do)
-    max_tokens = asked[0] if asked else max(1, room)
+    max_tokens = asked[0] if asked else max(1, room)  # by default, to the context's end (as vLLM)
     params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs(body, chat), **given)
     engine.check_prompt(ids, params)
     if params.max_tokens > room:

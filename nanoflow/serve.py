@@ -48,11 +48,10 @@ KEEPALIVE_S = 5.0  # an SSE comment this often while a stream is paused: proxies
 MAX_REQUEST_ID = 128  # a longer X-Request-Id is replaced by our own
 LOADING_RETRY_S = 5  # what a client is asked to wait while the model loads
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a CORS preflight's answer
-# an event stream's headers (X-Accel-Buffering: nginx passes each chunk on at once)
-SSE_HEADERS = {
+SSE_HEADERS = {  # an event stream's
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
+    "X-Accel-Buffering": "no",  # nginx passes each chunk on at once
     "Connection": "close",
 }
 PROMPT_TAIL_TOKENS = 16  # where a reasoning parser looks for a think block the prompt opened
@@ -191,6 +190,12 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, f"`tokens` must be a list of token ids in [0, {vocab})")
         self.send_json(200, {"prompt": self.server.engine.tokenizer.decode(tokens)})
 
+    def chat_completions(self) -> None:
+        self._openai(chat=True)
+
+    def completions(self) -> None:
+        self._openai(chat=False)
+
     def _openai(self, chat: bool) -> None:
         body = self.read_json()
         protocol.check_fields(body, self.request_id)
@@ -236,8 +241,7 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:  # the client left (its connection closed, reset or timed out)
                 self.close_connection = True
             finally:
-                # frees it now if its client left
-                for request_id in request_ids:
+                for request_id in request_ids:  # frees it now if its client left
                     server.loop.abort(request_id)
 
     def _send_openai(self, stream: bool, reply: Reply, deltas, n: int) -> None:
@@ -249,11 +253,16 @@ class Handler(BaseHTTPRequestHandler):
             self.sse(chunk)
         self.wfile.write(b"data: [DONE]\n\n")
 
+    def anthropic_messages(self) -> None:
+        self._translated(anthropic)
+
+    def openai_responses(self) -> None:
+        self._translated(responses)
+
     def _translated(self, api) -> None:
-        """Anthropic's or Responses' endpoint: the body runs as chat's, the answer is translated."""
+        """The body runs as chat's; the answer is translated back into api's shape."""
         body = self.read_json()
-        chat = api.chat_body(body)
-        self._run(chat, True, functools.partial(self._send_translated, api, body))
+        self._run(api.chat_body(body), True, functools.partial(self._send_translated, api, body))
 
     def _send_translated(self, api, body: dict, stream: bool, reply: Reply, deltas, n: int) -> None:
         translation = api.Translation(body, reply)
@@ -361,8 +370,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 ROUTES = {
-    "/v1/chat/completions": ("POST", functools.partial(Handler._openai, chat=True)),
-    "/v1/completions": ("POST", functools.partial(Handler._openai, chat=False)),
+    "/v1/chat/completions": ("POST", Handler.chat_completions),
+    "/v1/completions": ("POST", Handler.completions),
     "/v1/models": ("GET", Handler.models),
     "/tokenize": ("POST", Handler.tokenize),
     "/detokenize": ("POST", Handler.detokenize),
@@ -373,9 +382,9 @@ ROUTES = {
     "/": ("GET", live.live_page),
     "/v1/engine/events": ("GET", live.engine_events),
     "/v1/engine/burst": ("POST", live.engine_burst),
-    ANTHROPIC_PATH: ("POST", functools.partial(Handler._translated, api=anthropic)),
+    ANTHROPIC_PATH: ("POST", Handler.anthropic_messages),
     "/v1/messages/count_tokens": ("POST", Handler.count_tokens),
-    "/v1/responses": ("POST", functools.partial(Handler._translated, api=responses)),
+    "/v1/responses": ("POST", Handler.openai_responses),
 }
 
 

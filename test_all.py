@@ -1380,6 +1380,16 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     assert [r.finish_reason for r in reqs] == ["abort"] * 3
 
 
+def test_the_link_backlog_is_that_of_its_busier_lane():
+    """Copies out and back run on two lanes at once: the link is free once the busier lane is.
+    A queue of 1 MB to host and none back is 1 MB of backlog, and a load waits only for loads."""
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    swapper = Swapper(KVPool(4, *shape), KVPool(4, *shape, host=True))
+    swapper.out.queued_bytes = 10**6
+    assert swapper.backlog() == 10**6 / swapper.bandwidth
+    assert swapper.backlog(swapper.back) == 0.0
+
+
 def test_the_host_tier_takes_what_the_device_drops_and_drops_its_copies_first():
     """Both pools as one LRU cache: a cached block the device reuses moves to host (copied unless
     host has it already), and host makes room by dropping its copies of blocks the device holds."""
@@ -5162,6 +5172,13 @@ TOOL_TEMPLATE = (
 )
 
 
+def test_a_tool_choice_naming_a_function_not_offered_is_refused():
+    """OpenAI answers 400 when `tool_choice` names a function `tools` does not list."""
+    choice = {"type": "function", "function": {"name": "launch_rockets"}}
+    with pytest.raises(ValueError, match="does not offer"):
+        ToolRequest.of({"tools": TOOLS, "tool_choice": choice}, TOOL_TEMPLATE)
+
+
 def valid_call(call: dict) -> dict:
     """The arguments of an OpenAI tool call, checked against its tool's parameters."""
     assert call["type"] == "function" and call["id"].startswith("call_")
@@ -6390,28 +6407,30 @@ def test_fleet_routers_spread_and_least_queue_follows_the_last_scrape():
     assert max(max(queues) for queues, _, _ in router.picks) > 0  # queues did form
 
 
-def test_fleet_buffer_router_prefers_headroom():
-    def view(capacity, demand, waiting):
+def test_fleet_least_queue_router_counts_what_it_sent_since_the_scrape():
+    def view(waiting, blocks_free):
         return fleet.View(
-            {
-                "capacity_tokens_per_second": capacity,
-                "reader_demand_tokens_per_second": demand,
-                "waiting": waiting,
-                "device_blocks_free": 1,
-                "device_blocks_total": 2,
-            }
+            {"waiting": waiting, "device_blocks_free": blocks_free, "device_blocks_total": 4}
         )
 
-    router = fleet.make_router("buffer")
-    # past capacity loses to a longer queue within it; equal queues: the most headroom
-    assert router.pick([view(100, 120, 0), view(100, 50, 2)]) == 1
-    assert router.pick([view(100, 90, 1), view(200, 90, 1), view(100, 10, 1)]) == 1
-    views = [view(100, 60, 0), view(100, 50, 0)]
-    views[1].sent, views[1].sent_demand = 0, 45.0  # what it sent since the scrape counts against it
+    router = fleet.make_router("least-queue")
+    # the shortest queue, then the least KV in use; what it sent since the scrape joins the queue
+    assert router.pick([view(1, 4), view(0, 1)]) == 1
+    assert router.pick([view(0, 1), view(0, 3)]) == 1
+    views = [view(1, 4), view(0, 4)]
+    views[1].sent = 2
     assert router.pick(views) == 0
-    assert fleet.make_router("least-queue").pick([view(100, 120, 0), view(100, 50, 2)]) == 0
-    with pytest.raises(ValueError, match="unknown router 'random'"):
-        fleet.make_router("random")
+    with pytest.raises(ValueError, match="unknown router 'buffer'"):
+        fleet.make_router("buffer")
+
+
+def test_a_router_breaks_ties_at_random():
+    """Replicas that look the same to the router share the load, as the endpoint picker's random
+    tie-break does: always the first would send a whole burst to one replica between scrapes."""
+    scrape = {"waiting": 0, "device_blocks_free": 1, "device_blocks_total": 2}
+    router = fleet.make_router("least-queue", seed=0)
+    picks = [router.pick([fleet.View(scrape), fleet.View(scrape)]) for _ in range(20)]
+    assert set(picks) == {0, 1}
 
 
 def test_fleet_bench_table(tmp_path, capsys):
@@ -6427,7 +6446,7 @@ def test_fleet_bench_table(tmp_path, capsys):
             "--replicas",
             "2",
             "--router",
-            "round-robin,buffer",
+            "round-robin,least-queue",
             "--policies",
             "fcfs",
             "--uncharged",
@@ -6437,7 +6456,7 @@ def test_fleet_bench_table(tmp_path, capsys):
     )
     policies = json.loads(path.read_text())["policies"]
     assert (
-        list(policies) == ["round-robin/fcfs", "buffer/fcfs"]
+        list(policies) == ["round-robin/fcfs", "least-queue/fcfs"]
         and "round-robin/fcfs" in capsys.readouterr().out
     )
     assert all(m["completed"] == 4 and 0 <= m["qoe_good_share"] <= 1 for m in policies.values())
@@ -6459,9 +6478,9 @@ def test_fleet_find_replicas_bisects_to_the_fewest(monkeypatch, capsys):
         runs.Run, "summary", property(lambda run: {"qoe_good_share": tried[-1] >= 5})
     )
     args = cli.parse_args(["--simulate", "--burst", "4", "--replicas", "2", "--find-replicas"])
-    run = runs.find_replicas(None, None, "fcfs", "buffer", args)
-    assert tried == [2, 4, 8, 6, 5] and run.name == "buffer/fcfs x5"
-    assert "buffer/fcfs: 5 replicas" in capsys.readouterr().out
+    run = runs.find_replicas(None, None, "fcfs", "least-queue", args)
+    assert tried == [2, 4, 8, 6, 5] and run.name == "least-queue/fcfs x5"
+    assert "least-queue/fcfs: 5 replicas" in capsys.readouterr().out
 
 
 # ------------------------------------ issue 24: cheap decisions, robustness as a measured property

@@ -3,8 +3,8 @@
 Each replica is a simulated engine (sim.py) with its own scheduler, KV pools, device and clock; the
 fleet keeps their clocks on one timeline: the replica furthest behind steps next, and an arrival or
 a scrape happens once every busy replica has reached its time. Every `scrape_interval` s the router
-reads each replica's /metrics numbers (`Engine.stats` with the buffer signal); in between it knows
-only those and what it has sent since, as the routers people run do.
+reads each replica's /metrics numbers (`Engine.stats`); in between it knows only those and what it
+has sent since, as the routers people run do.
 """
 
 import math
@@ -23,7 +23,6 @@ class View:
 
     scrape: dict
     sent: int = 0  # requests
-    sent_demand: float = 0.0  # their readers' tokens/s
 
 
 class Router:
@@ -58,22 +57,7 @@ class LeastQueue(Router):
         return view.scrape["waiting"] + view.sent, kv_usage(view.scrape)
 
 
-class BufferAware(Router):
-    """The buffer signal (docs/scheduling.md): a replica within capacity (measured capacity less
-    the readers' demand, the readers sent since the scrape included), then the shortest queue,
-    then the most headroom. Headroom alone herds: reader demand does not see prompts to compute."""
-
-    def key(self, view: View) -> tuple:
-        s = view.scrape
-        headroom = (
-            s["capacity_tokens_per_second"]
-            - s["reader_demand_tokens_per_second"]
-            - view.sent_demand
-        )
-        return headroom < 0, s["waiting"] + view.sent, -headroom
-
-
-ROUTERS = {"round-robin": RoundRobin, "least-queue": LeastQueue, "buffer": BufferAware}
+ROUTERS = {"round-robin": RoundRobin, "least-queue": LeastQueue}
 
 
 def make_router(name: str, seed: int = 0) -> Router:
@@ -85,8 +69,8 @@ def make_router(name: str, seed: int = 0) -> Router:
 def simulate(
     engines: list[Engine], w, router: Router, scrape_interval: float = 1.0
 ) -> tuple[list[Request], list[int], float]:
-    """Run workload w (bench.Workload: arrivals from 0, prompt_ids(i), params(i)) on the fleet.
-    Returns each request in w's order, the replica that served it, and the start time."""
+    """Run workload w (a workloads.Workload: arrivals from 0, prompt_ids(i), params(i)) on the
+    fleet. Returns each request in w's order, the replica that served it, and the start time."""
     if scrape_interval <= 0:
         raise ValueError(f"scrape_interval must be > 0 s, got {scrape_interval}")
     start = max(e.clock() for e in engines)  # warm-ups may have left the clocks apart
@@ -101,7 +85,7 @@ def simulate(
         now = behind.clock() if behind else math.inf
         arrival = start + w.arrival[order[0]] if order else math.inf
         if next_scrape <= min(now, arrival):
-            views = [View(e.stats(buffer_signal=True)) for e in engines]
+            views = [View(e.stats()) for e in engines]
             next_scrape += scrape_interval
         elif arrival <= now:  # every busy replica is at or past it: it sees the arrival in time
             i = order.popleft()
@@ -109,7 +93,6 @@ def simulate(
             engines[k].clock.advance_to(arrival)  # an idle replica waited until now
             reqs[i] = engines[k].add_request(w.prompt_ids(i), w.params(i), arrival_time=arrival)
             views[k].sent += 1
-            views[k].sent_demand += reqs[i].read_rate
         else:
             behind.step()
     return reqs, where, start

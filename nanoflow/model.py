@@ -230,7 +230,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.shard, self.head_dim = shard, cfg.head_dim
+        self.shard = shard
+        self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // shard.size
         self.num_kv_heads = width(shard.kv_heads(cfg))
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -299,7 +300,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
         shard.check(cfg)
-        self.config, self.shard = cfg, shard
+        self.config = cfg
+        self.shard = shard
         self.vocab = shard.part(cfg.vocab_size)
         self.model = Backbone(cfg, shard)
         if not cfg.tie_word_embeddings:

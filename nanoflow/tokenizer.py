@@ -36,8 +36,11 @@ class Tokenizer:
         eos_token_ids: list[int],
         add_bos: bool,
     ):
-        self.tk, self.chat_template, self.bos_token = tk, chat_template, bos_token
-        self.eos_token_ids, self.add_bos = eos_token_ids, add_bos
+        self.tk = tk
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token_ids = eos_token_ids
+        self.add_bos = add_bos
 
     @classmethod
     def from_folder(cls, ckpt: Path, eos_token_ids: list[int]) -> "Tokenizer":

@@ -1380,7 +1380,7 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     assert [r.finish_reason for r in reqs] == ["abort"] * 3
 
 
-def test_the_link_backlog_is_that_of_its_busier_lane():
+def test_the_link_backlog_is_that_of_the_busier_of_its_lanes():
     """Copies out and back run on two lanes at once: the link is free once the busier lane is.
     A queue of 1 MB to host and none back is 1 MB of backlog, and a load waits only for loads."""
     shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
@@ -6424,7 +6424,7 @@ def test_fleet_least_queue_router_counts_what_it_sent_since_the_scrape():
         fleet.make_router("buffer")
 
 
-def test_a_router_breaks_ties_at_random():
+def test_a_fleet_router_breaks_ties_at_random():
     """Replicas that look the same to the router share the load, as the endpoint picker's random
     tie-break does: always the first would send a whole burst to one replica between scrapes."""
     scrape = {"waiting": 0, "device_blocks_free": 1, "device_blocks_total": 2}

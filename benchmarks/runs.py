@@ -190,14 +190,12 @@ def drive(engine, w: Workload, label: str) -> Run:
     reqs = [reqs[i] for i in range(len(w))]
     bar.show(len(reqs), sum(r.num_output_tokens for r in reqs), final=True)
     counters = {k: engine.stats()[k] - before[k] for k in COUNTERS}
-    return Run(
-        label,
-        [r.record() for r in reqs],
-        start + w.arrival[0],
-        counters,
-        time.monotonic() - wall,
-        reqs,
-    )
+    return finished_run(label, reqs, start + w.arrival[0], counters, wall)
+
+
+def finished_run(label: str, reqs: list, start: float, counters: dict, wall: float) -> Run:
+    """The Run of requests that all finished; `wall`: time.monotonic() when the drive began."""
+    return Run(label, [r.record() for r in reqs], start, counters, time.monotonic() - wall, reqs)
 
 
 def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:
@@ -207,14 +205,7 @@ def drive_fleet(engine, w: Workload, label: str, router: str, args: argparse.Nam
     wall = time.monotonic()
     reqs, _, start = simulate(engines, w, make_router(router, args.seed), args.scrape_interval)
     counters = {k: sum(e.stats()[k] - before[k] for e in engines) for k in COUNTERS}
-    return Run(
-        f"{router}/{label}",
-        [r.record() for r in reqs],
-        start + w.arrival[0],
-        counters,
-        time.monotonic() - wall,
-        reqs,
-    )
+    return finished_run(f"{router}/{label}", reqs, start + w.arrival[0], counters, wall)
 
 
 def find_replicas(engine, w: Workload, label: str, router: str, args: argparse.Namespace) -> Run:

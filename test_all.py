@@ -3603,7 +3603,7 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
     given one burst past memory: the same decisions (which request runs, with how many tokens) at
     every step, preemptions and resumes included. What the simulator leaves out (the forward, the
     tokens, the detokenizer, the copies' bytes) must not change what the policy decides."""
-    from benchmarks.sim import VirtualClock
+    from benchmarks.sim import StepTerms, VirtualClock
 
     llm = LLM(ckpt, device="cpu", num_kv_blocks=20, policy=policy, host_kv_gb=0.01)
     eng = llm.engine
@@ -3624,8 +3624,7 @@ def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, pol
 
     def timed_run(batch):
         tokens = run(batch)
-        kv = sum(r.num_computed_tokens + n for r, n in zip(batch.reqs, batch.query_lens))
-        clock.advance_to(clock() + cost.step_time(batch.num_prefill_tokens, batch.num_decodes, kv))
+        clock.advance_to(clock() + cost.step_time(StepTerms.of(zip(batch.reqs, batch.query_lens))))
         return tokens
 
     monkeypatch.setattr(eng, "run", timed_run)

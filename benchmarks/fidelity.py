@@ -22,7 +22,15 @@ from benchmarks.runs import (
     run_workload,
     ttft_slo,
 )
-from benchmarks.sim import CostModel, calibrate
+from benchmarks.sim import (
+    CostModel,
+    Step,
+    busy,
+    calibrate,
+    calibration_steps,
+    engine_base,
+    fit_steps,
+)
 from benchmarks.workloads import Workload, build_workload
 from nanoflow import LLM
 from nanoflow.engine import EngineConfig
@@ -57,7 +65,7 @@ def step_residual(run: Run, cost: CostModel) -> str:
     spent = predicted = 0.0
     for a, b in pairs:
         spent += b.at - a.at
-        predicted += cost.step_time(*a.batch)
+        predicted += cost.step_time(a.batch)
     return (
         f"{run.name}: {len(run.decisions)} steps took {spent:.1f} s, the cost model says "
         f"{predicted:.1f} s for the same batches ({spent / max(predicted, 1e-9) - 1:+.0%})"
@@ -112,10 +120,14 @@ def seen_side(seen: tuple | None, ran: int | None) -> str:
 
 def fit_cost_model(args: argparse.Namespace) -> CostModel:
     """The simulator's cost model, fitted to this engine now (bench.py --calibrate's fit)."""
-    options = {"device": args.device, "dtype": args.dtype, "cpu_threads": args.cpu_threads}
-    fit = calibrate(LLM(args.ckpt, **options))
+    fit = calibrate(calibration_llm(args))
     free_device_memory()
     return fit
+
+
+def calibration_llm(args: argparse.Namespace) -> LLM:
+    options = {"device": args.device, "dtype": args.dtype, "cpu_threads": args.cpu_threads}
+    return LLM(args.ckpt, **options)
 
 
 def replay(args: argparse.Namespace, w: Workload, info: dict, fit: CostModel) -> list[Run]:
@@ -253,14 +265,32 @@ def sim_errors(real: list[dict], sim: dict) -> tuple[str, int]:
 
 def regimes(args: argparse.Namespace) -> None:
     """The real engine's regime set: each row under both policies, --repeat K times (the policy
-    order alternating), and the simulator with a cost model fitted in the same run beside it."""
-    fit = fit_cost_model(args)
-    print(f"fitted in this run: {fit.describe()}")
+    order alternating), and the simulator beside it. Each row's cost model is fitted in the same
+    run, to the engine's calibration steps and the steps of every other row (not its own): a
+    prediction, from the batches the rows run."""
+    llm = calibration_llm(args)
+    calibration, base = calibration_steps(llm), engine_base(llm.engine)
+    del llm
+    free_device_memory()
+    rows = [run_regime(args, name, extra) for name, extra in REGIMES if args.regimes in name]
     print(
         "| regime | TTFT p99 s | rebuffer mean s | QoE mean | throughput tok/s | verdict | "
         "simulator's error (fcfs; tokenflow) |\n" + "|---" * 7 + "|"
     )
-    results = []
+    for row in rows:
+        others = [step for other in rows if other is not row for step in other["steps"]]
+        fit = fit_steps(calibration + others, base, "the calibration and the other rows")
+        print_regime(row, replay(row.pop("args"), row.pop("workload"), row.pop("info"), fit))
+        row["fit"] = fit.describe()
+        row["step_error"] = step_error(row.pop("steps"), fit)
+    for row in rows:
+        print(f"{row['regime']}: its steps took {row['step_error']:+.0%} of {row['fit']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
+
+
+def run_regime(args: argparse.Namespace, name: str, extra: str) -> dict:
+    """One row on the real engine: both policies, max(2, --repeat) times, orders alternating."""
     own = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in (
@@ -270,37 +300,53 @@ def regimes(args: argparse.Namespace) -> None:
         )
         if v
     ]
-    for name, extra in (row for row in REGIMES if args.regimes in row[0]):
-        real = {"fcfs": [], "tokenflow": []}
-        for k in range(max(2, args.repeat)):
-            order = "fcfs,tokenflow" if k % 2 == 0 else "tokenflow,fcfs"
-            row = parse_args(f"{REGIMES_BASE} {extra} --policies {order}".split() + own)
-            runs, w, info = run_workload(row)
-            for run in runs:
-                real[run.name].append({**run.summary, **run.machine})
-        sim = {r.name: r.summary for r in replay(row, w, info, fit)}
-        errors = [sim_errors(real[p], sim[p]) for p in ("fcfs", "tokenflow")]
-        misses = regime_verdict(name, real["fcfs"], real["tokenflow"])
-        cells = [
-            f"{spread([s[key] for s in real['fcfs']])} -> "
-            f"{spread([s[key] for s in real['tokenflow']])}"
-            for _, key, _ in REGIME_METRICS
-        ]
-        quiet = max(s["others_cpu_share"] for p in real.values() for s in p) <= NOT_QUIET_SHARE
-        verdict_text = "pass" if not misses else "misses: " + ", ".join(misses)
-        verdict_text += "" if quiet else " (not quiet)"
-        print(
-            f"| {name} | {' | '.join(cells)} | {verdict_text} | {errors[0][0]}; {errors[1][0]} |",
-            flush=True,
-        )
-        results.append(
-            {
-                "regime": name,
-                "real": real,
-                "sim": sim,
-                "misses": misses,
-                "sim_within": [e[1] for e in errors],
-            }
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"fit": fit.describe(), "rows": results}, indent=2))
+    real = {"fcfs": [], "tokenflow": []}
+    steps = []
+    for k in range(max(2, args.repeat)):
+        order = "fcfs,tokenflow" if k % 2 == 0 else "tokenflow,fcfs"
+        row_args = parse_args(f"{REGIMES_BASE} {extra} --policies {order}".split() + own)
+        row_args.fidelity = True  # the runs log their decisions: the steps the fits are made of
+        runs, w, info = run_workload(row_args)
+        for run in runs:
+            real[run.name].append({**run.summary, **run.machine})
+            steps += timed_steps(run)
+    return {
+        "regime": name,
+        "real": real,
+        "steps": steps,
+        "args": row_args,
+        "workload": w,
+        "info": info,
+    }
+
+
+def timed_steps(run: Run) -> list[Step]:
+    """Each decision's step and the time until the next decision (a wait for arrivals included:
+    fit_steps leaves those out)."""
+    return [(a.batch, b.at - a.at) for a, b in zip(run.decisions, run.decisions[1:])]
+
+
+def step_error(steps: list[Step], fit: CostModel) -> float:
+    """How much longer the steps took than the fit says (waits for arrivals left out)."""
+    kept = busy(steps, fit)
+    return sum(t for _, t in kept) / sum(fit.step_time(terms) for terms, _ in kept) - 1
+
+
+def print_regime(row: dict, sim_runs: list[Run]) -> None:
+    """The row's line of the table: real cells, verdict, the simulator's errors; row gets them."""
+    name, real = row["regime"], row["real"]
+    sim = {r.name: r.summary for r in sim_runs}
+    errors = [sim_errors(real[p], sim[p]) for p in ("fcfs", "tokenflow")]
+    misses = regime_verdict(name, real["fcfs"], real["tokenflow"])
+    cells = [
+        f"{spread([s[key] for s in real['fcfs']])} -> {spread([s[key] for s in real['tokenflow']])}"
+        for _, key, _ in REGIME_METRICS
+    ]
+    quiet = max(s["others_cpu_share"] for p in real.values() for s in p) <= NOT_QUIET_SHARE
+    verdict_text = "pass" if not misses else "misses: " + ", ".join(misses)
+    verdict_text += "" if quiet else " (not quiet)"
+    print(
+        f"| {name} | {' | '.join(cells)} | {verdict_text} | {errors[0][0]}; {errors[1][0]} |",
+        flush=True,
+    )
+    row.update(sim=sim, misses=misses, sim_within=[e[1] for e in errors])

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import torch
 
 from benchmarks.fleet import make_router, simulate
-from benchmarks.sim import PRESETS, CostModel, build_engine
+from benchmarks.sim import PRESETS, CostModel, StepTerms, build_engine
 from benchmarks.workloads import (
     BLOCK_SIZE,
     Workload,
@@ -468,7 +468,7 @@ class Decision:
     step_s: float  # the policy's estimate of a decode step of the running batch
     prefill_rate: float  # ...and of prompt tokens/s
     free_blocks: int
-    batch: tuple[int, int, int]  # its prompt tokens, decodes and KV tokens (the cost model's terms)
+    batch: StepTerms  # what it computes, in the cost model's terms
 
 
 def record_decisions(scheduler) -> list[Decision]:
@@ -486,11 +486,7 @@ def record_decisions(scheduler) -> list[Decision]:
         free = scheduler.kv.num_free
         out = decide()
         if out:
-            batch = (
-                sum(n for _, n in out if n > 1),
-                sum(n == 1 for _, n in out),
-                sum(r.num_computed_tokens + n for r, n in out),
-            )
+            batch = StepTerms.of(out)
             log.append(
                 Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free, batch)
             )

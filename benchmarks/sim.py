@@ -12,6 +12,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,26 @@ class VirtualClock:
         self.now = max(self.now, t)
 
 
+class StepTerms(NamedTuple):
+    """What a step computes, in the cost model's terms."""
+
+    prefill_tokens: int
+    decodes: int
+    kv_tokens: int  # KV tokens attended, every request's context and its new tokens
+    prompt_pairs: int  # (query, key) pairs of the prompt chunks: their attention grows as n^2
+
+    @classmethod
+    def of(cls, scheduled) -> "StepTerms":
+        """The terms of (request, new tokens) pairs, before the step computes them."""
+        chunks = [(r.num_computed_tokens, n) for r, n in scheduled]
+        return cls(
+            sum(n for _, n in chunks if n > 1),
+            sum(n == 1 for _, n in chunks),
+            sum(done + n for done, n in chunks),
+            sum(n * (done + (n + 1) // 2) for done, n in chunks if n > 1),
+        )
+
+
 @dataclass
 class CostModel:
     """Step time = overhead + max(memory time, compute time); each number says where it is from."""
@@ -59,14 +80,18 @@ class CostModel:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     notes: list[str] = field(default_factory=list)
-    # a CPU's attention: compute per KV token attended, added to the compute (a GPU's is memory)
+    # a CPU's attention: compute per KV token attended and per prompt (query, key) pair, added to
+    # the compute (a GPU's is memory)
     per_attended_token_s: float = 0.0
+    per_prompt_pair_s: float = 0.0
     async_copies: bool = True  # copies run beside compute (a GPU's side streams; a CPU has none)
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
-        memory = self.weights_read_s + kv_tokens * self.per_kv_token_s
-        compute = prefill_tokens * self.per_prefill_token_s + decode_seqs * self.per_decode_seq_s
-        compute += kv_tokens * self.per_attended_token_s
+    def step_time(self, step: StepTerms) -> float:
+        memory = self.weights_read_s + step.kv_tokens * self.per_kv_token_s
+        compute = step.prefill_tokens * self.per_prefill_token_s
+        compute += step.decodes * self.per_decode_seq_s
+        compute += step.kv_tokens * self.per_attended_token_s
+        compute += step.prompt_pairs * self.per_prompt_pair_s
         return self.overhead_s + max(memory, compute)
 
     def describe(self) -> str:
@@ -80,6 +105,8 @@ class CostModel:
         )
         if self.per_attended_token_s:
             compute += f" + kv_tokens x {self.per_attended_token_s * 1e9:.3g} ns"
+        if self.per_prompt_pair_s:
+            compute += f" + prompt_pairs x {self.per_prompt_pair_s * 1e9:.3g} ns"
         pools = f"{self.num_kv_blocks} device + {self.num_host_blocks} host blocks"
         line = (
             f"preset {self.name}: step = {ms(self.overhead_s)} + max({memory}, {compute}); "
@@ -325,8 +352,7 @@ class SimEngine(Engine):
             r.load_event = None  # the scheduler runs a loaded request only once its copy is done
 
     def run(self, batch) -> list[int]:
-        kv_tokens = sum(r.num_computed_tokens + n for r, n in zip(batch.reqs, batch.query_lens))
-        step_s = self.cost.step_time(batch.num_prefill_tokens, batch.num_decodes, kv_tokens)
+        step_s = self.cost.step_time(StepTerms.of(zip(batch.reqs, batch.query_lens)))
         if self.jitter:  # a real device's steps vary by a few percent
             step_s *= 1 + self.rng.uniform(-self.jitter, self.jitter)
         self.clock.advance_to(self.clock() + step_s)
@@ -378,13 +404,23 @@ def build_engine(
     return SimEngine(cost, scheduler, read_rate, jitter, seed)
 
 
-def calibrate(
+Step = tuple[StepTerms, float]  # what a step computed, and the seconds it took
+IDLE_FACTOR = 2.0  # a gap this many times the fitted step is a step and then a wait for arrivals
+
+
+def prompt_pairs(done: int, n: int) -> int:
+    """The (query, key) pairs of a prompt chunk of n tokens after done computed ones (causal)."""
+    return n * (done + (n + 1) // 2)
+
+
+def calibration_steps(
     llm, prompt_lens=(64, 256, 1024), batches=(1, 4, 16), contexts=(128, 512), decode_steps: int = 8
-) -> CostModel:
-    """Fit the cpu-smollm2 form to the real engine's steps: overhead + prompt tokens + decoding
-    requests + KV tokens attended (decodes at two context lengths tell the last two apart)."""
-    engine, rows = llm.engine, []
+) -> list[Step]:
+    """The real engine's steps for a fit: prompts alone, and decodes of each batch at two context
+    lengths (which tell the per-request and the per-KV-token terms apart)."""
+    engine = llm.engine
     vocab = engine.config.vocab_size
+    steps = []
 
     def timed_step() -> float:
         start = time.perf_counter()
@@ -396,7 +432,7 @@ def calibrate(
 
     for p in (min(p, engine.max_model_len - 2) for p in prompt_lens):
         engine.add_request([(7 * i) % vocab for i in range(p)], params(1))
-        rows.append((p, 0, p, timed_step()))
+        steps.append((StepTerms(p, 0, p, prompt_pairs(0, p)), timed_step()))
     for context in (min(c, engine.max_model_len - decode_steps - 2) for c in contexts):
         for b in batches:
             for i in range(b):
@@ -405,21 +441,62 @@ def calibrate(
             while any(not r.started for r in engine.requests.values()):
                 engine.step()  # the prompts
             for k in range(decode_steps):
-                rows.append((0, b, b * (context + 2 + k), timed_step()))
+                steps.append((StepTerms(0, b, b * (context + 2 + k), 0), timed_step()))
             while engine.has_unfinished():
                 engine.step()
-    x = torch.tensor([[1.0, p, d, kv] for p, d, kv, _ in rows], dtype=torch.float64)
-    y = torch.tensor([[t] for *_, t in rows], dtype=torch.float64)
-    fit = torch.linalg.lstsq(x, y).solution.clamp(min=0).flatten().tolist()
+    return steps
+
+
+def fit_steps(steps: list[Step], base: CostModel, note: str) -> CostModel:
+    """base's compute fitted to an engine's steps: overhead + prompt tokens + decoding requests +
+    KV tokens attended + prompt pairs, least squares on the relative error. A step that took more
+    than IDLE_FACTOR times the fit's time was followed by a wait (a workload's gap between
+    arrivals): left out, and the fit made again."""
+    fit = with_coefficients(base, least_squares(steps))
+    for _ in range(2):
+        kept = busy(steps, fit)
+        fit = with_coefficients(base, least_squares(kept))
+    note = f"least squares over {len(kept)} of {len(steps)} measured steps: {note}"
+    return replace(fit, notes=[note])
+
+
+def busy(steps: list[Step], fit: CostModel) -> list[Step]:
+    """The steps not followed by a wait for arrivals: those within IDLE_FACTOR of the fit."""
+    return [(terms, t) for terms, t in steps if t <= IDLE_FACTOR * fit.step_time(terms)]
+
+
+def least_squares(steps: list[Step]) -> list[float]:
+    """The coefficients of 1 and each StepTerms field that fit the steps' relative times."""
+    x = torch.tensor([[1.0, *terms] for terms, _ in steps], dtype=torch.float64)
+    y = torch.tensor([t for _, t in steps], dtype=torch.float64)
+    ones = torch.ones(len(steps), 1, dtype=torch.float64)
+    return torch.linalg.lstsq(x / y[:, None], ones).solution.clamp(min=0).flatten().tolist()
+
+
+def with_coefficients(base: CostModel, fit: list[float]) -> CostModel:
+    return replace(
+        base,
+        weights_read_s=0.0,
+        per_kv_token_s=0.0,
+        overhead_s=fit[0],
+        per_prefill_token_s=fit[1],
+        per_decode_seq_s=fit[2],
+        per_attended_token_s=fit[3],
+        per_prompt_pair_s=fit[4],
+    )
+
+
+def engine_base(engine) -> CostModel:
+    """The cpu-smollm2 form with this engine's model and KV sizes: its compute still to fit."""
     return replace(
         cpu_smollm2(),
         name="calibrated",
         model=engine.config,
         kv_bytes_per_token=engine.kv.bytes_per_block // engine.kv.block_size,
         num_kv_blocks=engine.kv.num_blocks,
-        overhead_s=fit[0],
-        per_prefill_token_s=fit[1],
-        per_decode_seq_s=fit[2],
-        per_attended_token_s=fit[3],
-        notes=[f"least squares over {len(rows)} measured steps of this engine here"],
     )
+
+
+def calibrate(llm) -> CostModel:
+    """A cost model of this engine from its steps here (bench.py --calibrate)."""
+    return fit_steps(calibration_steps(llm), engine_base(llm.engine), "this engine's calibration")

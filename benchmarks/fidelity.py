@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.cli import parse_args
@@ -61,11 +62,9 @@ def fidelity_table(real: list[Run], sim: list[Run]) -> str:
 def step_residual(run: Run, cost: CostModel) -> str:
     """How long the run's steps took, decision to decision, against what the cost model says of
     the same batches: the part of an engine's time that the simulator does not model."""
-    pairs = zip(run.decisions, run.decisions[1:])
-    spent = predicted = 0.0
-    for a, b in pairs:
-        spent += b.at - a.at
-        predicted += cost.step_time(a.batch)
+    steps = timed_steps(run)
+    spent = sum(t for _, t in steps)
+    predicted = sum(cost.step_time(terms) for terms, _ in steps)
     return (
         f"{run.name}: {len(run.decisions)} steps took {spent:.1f} s, the cost model says "
         f"{predicted:.1f} s for the same batches ({spent / max(predicted, 1e-9) - 1:+.0%})"
@@ -263,6 +262,19 @@ def sim_errors(real: list[dict], sim: dict) -> tuple[str, int]:
     return ", ".join(parts), within
 
 
+@dataclass
+class RegimeRow:
+    """One row's runs on the real engine, kept until every row has run: each row's fit is made of
+    the other rows' steps."""
+
+    name: str
+    real: dict  # policy -> each repeat's summary and machine report
+    steps: list[Step]
+    args: argparse.Namespace  # the last repeat's, for the replay
+    workload: Workload
+    info: dict
+
+
 def regimes(args: argparse.Namespace) -> None:
     """The real engine's regime set: each row under both policies, --repeat K times (the policy
     order alternating), and the simulator beside it. Each row's cost model is fitted in the same
@@ -277,19 +289,19 @@ def regimes(args: argparse.Namespace) -> None:
         "| regime | TTFT p99 s | rebuffer mean s | QoE mean | throughput tok/s | verdict | "
         "simulator's error (fcfs; tokenflow) |\n" + "|---" * 7 + "|"
     )
+    results = []
     for row in rows:
-        others = [step for other in rows if other is not row for step in other["steps"]]
+        others = [step for other in rows if other is not row for step in other.steps]
         fit = fit_steps(calibration + others, base, "the calibration and the other rows")
-        print_regime(row, replay(row.pop("args"), row.pop("workload"), row.pop("info"), fit))
-        row["fit"] = fit.describe()
-        row["step_error"] = step_error(row.pop("steps"), fit)
-    for row in rows:
-        print(f"{row['regime']}: its steps took {row['step_error']:+.0%} of {row['fit']}")
+        sim = {r.name: r.summary for r in replay(row.args, row.workload, row.info, fit)}
+        results.append(print_regime(row, sim, fit))
+    for result in results:
+        print(f"{result['regime']}: its steps took {result['step_error']:+.0%} of {result['fit']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": results}, indent=2))
 
 
-def run_regime(args: argparse.Namespace, name: str, extra: str) -> dict:
+def run_regime(args: argparse.Namespace, name: str, extra: str) -> RegimeRow:
     """One row on the real engine: both policies, max(2, --repeat) times, orders alternating."""
     own = [
         f"--{k.replace('_', '-')}={v}"
@@ -310,14 +322,7 @@ def run_regime(args: argparse.Namespace, name: str, extra: str) -> dict:
         for run in runs:
             real[run.name].append({**run.summary, **run.machine})
             steps += timed_steps(run)
-    return {
-        "regime": name,
-        "real": real,
-        "steps": steps,
-        "args": row_args,
-        "workload": w,
-        "info": info,
-    }
+    return RegimeRow(name, real, steps, row_args, w, info)
 
 
 def timed_steps(run: Run) -> list[Step]:
@@ -326,18 +331,11 @@ def timed_steps(run: Run) -> list[Step]:
     return [(a.batch, b.at - a.at) for a, b in zip(run.decisions, run.decisions[1:])]
 
 
-def step_error(steps: list[Step], fit: CostModel) -> float:
-    """How much longer the steps took than the fit says (waits for arrivals left out)."""
-    kept = busy(steps, fit)
-    return sum(t for _, t in kept) / sum(fit.step_time(terms) for terms, _ in kept) - 1
-
-
-def print_regime(row: dict, sim_runs: list[Run]) -> None:
-    """The row's line of the table: real cells, verdict, the simulator's errors; row gets them."""
-    name, real = row["regime"], row["real"]
-    sim = {r.name: r.summary for r in sim_runs}
+def print_regime(row: RegimeRow, sim: dict, fit: CostModel) -> dict:
+    """The row's line of the table (real cells, verdict, the simulator's errors), and its record."""
+    real = row.real
     errors = [sim_errors(real[p], sim[p]) for p in ("fcfs", "tokenflow")]
-    misses = regime_verdict(name, real["fcfs"], real["tokenflow"])
+    misses = regime_verdict(row.name, real["fcfs"], real["tokenflow"])
     cells = [
         f"{spread([s[key] for s in real['fcfs']])} -> {spread([s[key] for s in real['tokenflow']])}"
         for _, key, _ in REGIME_METRICS
@@ -346,7 +344,17 @@ def print_regime(row: dict, sim_runs: list[Run]) -> None:
     verdict_text = "pass" if not misses else "misses: " + ", ".join(misses)
     verdict_text += "" if quiet else " (not quiet)"
     print(
-        f"| {name} | {' | '.join(cells)} | {verdict_text} | {errors[0][0]}; {errors[1][0]} |",
+        f"| {row.name} | {' | '.join(cells)} | {verdict_text} | {errors[0][0]}; {errors[1][0]} |",
         flush=True,
     )
-    row.update(sim=sim, misses=misses, sim_within=[e[1] for e in errors])
+    busy_steps = busy(row.steps, fit)  # how much longer its steps took than the fit says
+    took = sum(t for _, t in busy_steps) / sum(fit.step_time(terms) for terms, _ in busy_steps)
+    return {
+        "regime": row.name,
+        "real": real,
+        "sim": sim,
+        "misses": misses,
+        "sim_within": [e[1] for e in errors],
+        "fit": fit.describe(),
+        "step_error": took - 1,
+    }

@@ -44,7 +44,7 @@ from nanoflow.tokenizer import IncrementalDetokenizer
 from nanoflow.policies import FCFS, FCFSConfig
 from nanoflow.sched import StepRates
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args
-from nanoflow.swap import Swapper
+from nanoflow.swap import Swapper, Transfer
 
 # the tests hold the engine to fp32 references, whatever --dtype auto picks on this CPU
 nanoflow.model.CPU_DTYPE = torch.float32
@@ -4781,6 +4781,23 @@ def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_it
     assert torch.equal(device.kv_cache[a.block_table], a_kv)
 
 
+def test_a_swap_poll_retires_every_finished_copy_in_a_lane(monkeypatch):
+    """A poll finishes all the copies of a lane whose DMA is done, oldest first, not just one: two
+    finished chunks to host and one unfinished behind them leave only the unfinished one queued."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    swapper = Swapper(KVPool(4, *shape), KVPool(4, *shape, host=True))
+    finished = []
+    for i, done in enumerate((True, True, False)):
+        t = Transfer(100, lambda i=i: finished.append(i), start=FakeEvent(), done=FakeEvent())
+        t.done.done = done
+        swapper.out.in_flight.append(t)
+        swapper.out.queued_bytes += t.nbytes
+    swapper.poll()
+    assert finished == [0, 1]
+    assert len(swapper.out.in_flight) == 1 and swapper.out.queued_bytes == 100
+
+
 def test_simulated_link_carries_both_directions_at_once():
     """In the simulator, a load issued during a long eviction is done after its own bytes, unless it
     reads host blocks that eviction fills: then it starts once they are filled. (Copies beside
@@ -7508,6 +7525,25 @@ def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
         assert got == status, (name, answer)
         if status == 200:
             assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name
+
+
+def test_a_grammar_masks_a_padded_vocab_wider_than_the_tokenizers(ckpt):
+    """A model whose logits row is wider than its tokenizer's vocabulary (an embedding padded to a
+    multiple of 64) is constrained over the whole row: the padding ids are never allowed, and the
+    first token of a JSON object may only be "{"."""
+    from nanoflow.grammar import Grammars, apply_bitmasks
+    from nanoflow.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(ckpt, [2])
+    n = tokenizer.tk.get_vocab_size()
+    grammars = Grammars(tokenizer, n + 64)
+    req = types.SimpleNamespace(matcher=grammars.matcher({"type": "object"}))
+    logits = torch.zeros(2, n + 64)
+    logits[:, n:] = 100.0  # the padding ids, which the model was never trained to avoid
+    out = apply_bitmasks(logits, [req, types.SimpleNamespace(matcher=None)])
+    allowed = torch.isfinite(out[0]).nonzero().flatten().tolist()
+    assert [tokenizer.decode([i]) for i in allowed] == ["{"]
+    assert torch.equal(out[1], logits[1])  # the free row as it was
 
 
 # ---- The house: the size rule and the planted bugs (docs/design.md, "The house") ----

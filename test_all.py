@@ -6988,6 +6988,119 @@ def test_sdk_errors_and_x_api_key(server, monkeypatch):
     assert status == 200 and err["object"] == "response"
 
 
+# The translations by hand: a chat answer's chunks, written here, against what the Anthropic and
+# OpenAI references say a client gets (no server, no model: milliseconds).
+
+
+def chat_chunks(*deltas, finish: str, usage: dict) -> list[dict]:
+    """Chat stream chunks: one per delta, the last with finish_reason, then the usage chunk."""
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = finish
+    return [*chunks, {"choices": [], "usage": usage}]
+
+
+TEXT_THEN_CALL = (
+    {"content": "Let me look."},
+    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]},
+)
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def test_anthropic_tool_choice_any_forces_a_call_and_disable_parallel_allows_one():
+    """Anthropic: tool_choice {"type": "any"} means the model must use one of the tools (chat's
+    "required"); disable_parallel_tool_use: true allows at most one call, and without it several."""
+    from nanoflow.anthropic import chat_body
+
+    base = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    got = [
+        chat_body({**base, "tools": tools, "tool_choice": choice})
+        for choice in (
+            {"type": "any"},
+            {"type": "auto"},
+            {"type": "auto", "disable_parallel_tool_use": True},
+        )
+    ]
+    assert [(c["tool_choice"], c["parallel_tool_calls"]) for c in got] == [
+        ("required", True),
+        ("auto", True),
+        ("auto", False),
+    ]
+
+
+def test_anthropic_stream_indexes_each_block_and_counts_output_tokens():
+    """Anthropic's stream: each block's start, deltas and stop carry that block's index (text 0,
+    then the tool_use 1); usage.output_tokens is the generated tokens only (3 of 10 in all), in the
+    message_delta and the Message; a call ends with stop_reason "tool_use"."""
+    from nanoflow.anthropic import Translation
+
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, stop_reason=None)
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks(*TEXT_THEN_CALL, finish="tool_calls", usage=USAGE)))
+    blocks = [(k, d["index"]) for k, d in events if k.startswith("content_block")]
+    assert blocks == [
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+    ]
+    delta = next(d for k, d in events if k == "message_delta")
+    assert delta["usage"] == {"output_tokens": 3} and delta["delta"]["stop_reason"] == "tool_use"
+    assert t.whole["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    assert t.whole["content"][1]["input"] == {"a": 1} and t.whole["stop_reason"] == "tool_use"
+
+
+def test_anthropic_message_names_the_stop_sequence_that_ended_it():
+    """Anthropic: a Message ended by one of stop_sequences has stop_reason "stop_sequence" and
+    stop_sequence set to that string, in the Message as in the stream's message_delta."""
+    from nanoflow.anthropic import Translation
+
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, stop_reason="END")
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks({"content": "ab"}, finish="stop", usage=USAGE)))
+    delta = next(d for k, d in events if k == "message_delta")["delta"]
+    assert delta == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert (t.whole["stop_reason"], t.whole["stop_sequence"]) == ("stop_sequence", "END")
+
+
+def test_responses_effort_none_turns_thinking_off_and_instructions_come_first():
+    """Responses: reasoning.effort "none" asks for no reasoning, any other effort for some; the
+    instructions are the system message, before every input item."""
+    from nanoflow.responses import chat_body
+
+    turn = [{"type": "message", "role": "user", "content": "hi"}]
+    body = {"input": turn, "instructions": "be brief"}
+    kwargs = [
+        chat_body({**body, "reasoning": {"effort": e}})["chat_template_kwargs"]
+        for e in ("none", "low")
+    ]
+    assert kwargs == [{"enable_thinking": False}, {"enable_thinking": True}]
+    assert chat_body(body)["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+def test_responses_cut_by_max_output_tokens_is_incomplete_and_usage_adds_up():
+    """Responses: an answer cut by max_output_tokens is status "incomplete", incomplete_details
+    {"reason": "max_output_tokens"}, and so is the item it cut; usage.total_tokens is input plus
+    output tokens (7 + 3)."""
+    from nanoflow.responses import Translation
+
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, created=0)
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks({"content": "ab"}, finish="length", usage=USAGE)))
+    assert events[-1][0] == "response.incomplete"
+    done = [d["item"] for k, d in events if k == "response.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]
+    assert t.whole["status"] == "incomplete"
+    assert t.whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert t.whole["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}
+
+
 # ------------------------------------------------ issue 42: the rules clients rely on, by the spec
 # Each row is a rule of the OpenAI API (vLLM's where OpenAI says nothing) with its answer written by
 # hand. A scripted model writes the row's text: logits that pick the script's next token, so that

@@ -2077,6 +2077,21 @@ def test_metrics_histograms_by_hand():
     assert got['nanoflow_requests_total{outcome="length"}'] == 1
 
 
+def test_metrics_count_each_requests_prompt_and_generated_tokens(server):
+    """/metrics' token counters, as vLLM's prompt_tokens and generation_tokens: a request of 9
+    prompt tokens that generates 2 adds 9 prompt tokens and 2 generated ones."""
+    before = scrape(server)
+    body = dict(prompt=list(range(3, 12)), max_tokens=2, ignore_eos=True)
+    assert call(server, "POST", "/v1/completions", body)[0] == 200
+    after = scrape(server)
+    added = {
+        kind: after[f'nanoflow_tokens_total{{kind="{kind}"}}']
+        - before[f'nanoflow_tokens_total{{kind="{kind}"}}']
+        for kind in ("prompt", "generation")
+    }
+    assert added == {"prompt": 9, "generation": 2}
+
+
 def test_api_key(server, monkeypatch):
     monkeypatch.setattr(server, "api_key", "sekrit")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
@@ -6441,6 +6456,16 @@ def test_fleet_least_queue_router_counts_what_it_sent_since_the_scrape():
     assert router.pick(views) == 0
     with pytest.raises(ValueError, match="unknown router 'buffer'"):
         fleet.make_router("buffer")
+
+
+def test_fleet_least_queue_counts_every_request_it_sent_between_scrapes():
+    """Between scrapes the router adds all it sent to a replica since to its scraped queue (the
+    endpoint picker's view): a burst of 10 on 2 idle replicas, within one scrape, splits 5 and 5."""
+    w = fleet_workload("--burst", "10", "--prompt-len", "100", "--output-len", "4")
+    engines = [sim_engine("h200-llama3-8b", "fcfs") for _ in range(2)]
+    router = fleet.make_router("least-queue")
+    _, where, _ = fleet.simulate(engines, w, router, scrape_interval=100.0)
+    assert Counter(where) == {0: 5, 1: 5}
 
 
 def test_a_fleet_router_breaks_ties_at_random():

@@ -983,11 +983,12 @@ MUTANTS += [
         "key=lambda r: (-r.num_output_tokens, -len(r.prompt_token_ids)))",
         S["nanoflow/policies.py"],
     ),
+    # (fcfs-one-seat-too-many, seats = ... + 1, was dropped: equivalent, s.full() stops the loop)
     M(
-        "fcfs-one-seat-too-many",
+        "fcfs-retract-ratio-uncapped",
         "nanoflow/policies.py",
-        "seats = max(0, s.max_num_seqs - len(s.running))",
-        "seats = max(0, s.max_num_seqs - len(s.running) + 1)",
+        "self.new_token_ratio = min(1.0, kept / wanted)",
+        "self.new_token_ratio = kept / wanted",
         S["nanoflow/policies.py"],
     ),
 ]

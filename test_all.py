@@ -44,7 +44,7 @@ from nanoflow.tokenizer import IncrementalDetokenizer
 from nanoflow.policies import FCFS, FCFSConfig
 from nanoflow.sched import StepRates
 from nanoflow.serve import MAX_BODY_BYTES, make_server, parse_args
-from nanoflow.swap import Swapper
+from nanoflow.swap import Swapper, Transfer
 
 # the tests hold the engine to fp32 references, whatever --dtype auto picks on this CPU
 nanoflow.model.CPU_DTYPE = torch.float32
@@ -2075,6 +2075,21 @@ def test_metrics_histograms_by_hand():
         and got['nanoflow_tokens_total{kind="generation"}'] == 3
     )
     assert got['nanoflow_requests_total{outcome="length"}'] == 1
+
+
+def test_metrics_count_each_requests_prompt_and_generated_tokens(server):
+    """/metrics' token counters, as vLLM's prompt_tokens and generation_tokens: a request of 9
+    prompt tokens that generates 2 adds 9 prompt tokens and 2 generated ones."""
+    before = scrape(server)
+    body = dict(prompt=list(range(3, 12)), max_tokens=2, ignore_eos=True)
+    assert call(server, "POST", "/v1/completions", body)[0] == 200
+    after = scrape(server)
+    added = {
+        kind: after[f'nanoflow_tokens_total{{kind="{kind}"}}']
+        - before[f'nanoflow_tokens_total{{kind="{kind}"}}']
+        for kind in ("prompt", "generation")
+    }
+    assert added == {"prompt": 9, "generation": 2}
 
 
 def test_api_key(server, monkeypatch):
@@ -4780,6 +4795,23 @@ def test_evictions_and_loads_run_on_their_own_lanes_and_a_load_waits_only_for_it
     assert torch.equal(device.kv_cache[a.block_table], a_kv)
 
 
+def test_a_swap_poll_retires_every_finished_copy_in_a_lane(monkeypatch):
+    """A poll finishes all the copies of a lane whose DMA is done, oldest first, not just one: two
+    finished chunks to host and one unfinished behind them leave only the unfinished one queued."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    swapper = Swapper(KVPool(4, *shape), KVPool(4, *shape, host=True))
+    finished = []
+    for i, done in enumerate((True, True, False)):
+        t = Transfer(100, lambda i=i: finished.append(i), start=FakeEvent(), done=FakeEvent())
+        t.done.done = done
+        swapper.out.in_flight.append(t)
+        swapper.out.queued_bytes += t.nbytes
+    swapper.poll()
+    assert finished == [0, 1]
+    assert len(swapper.out.in_flight) == 1 and swapper.out.queued_bytes == 100
+
+
 def test_simulated_link_carries_both_directions_at_once():
     """In the simulator, a load issued during a long eviction is done after its own bytes, unless it
     reads host blocks that eviction fills: then it starts once they are filled. (Copies beside
@@ -6425,6 +6457,16 @@ def test_fleet_least_queue_router_counts_what_it_sent_since_the_scrape():
         fleet.make_router("buffer")
 
 
+def test_fleet_least_queue_counts_every_request_it_sent_between_scrapes():
+    """Between scrapes the router adds all it sent to a replica since to its scraped queue (the
+    endpoint picker's view): a burst of 10 on 2 idle replicas, within one scrape, splits 5 and 5."""
+    w = fleet_workload("--burst", "10", "--prompt-len", "100", "--output-len", "4")
+    engines = [sim_engine("h200-llama3-8b", "fcfs") for _ in range(2)]
+    router = fleet.make_router("least-queue")
+    _, where, _ = fleet.simulate(engines, w, router, scrape_interval=100.0)
+    assert Counter(where) == {0: 5, 1: 5}
+
+
 def test_a_fleet_router_breaks_ties_at_random():
     """Replicas that look the same to the router share the load, as the endpoint picker's random
     tie-break does: always the first would send a whole burst to one replica between scrapes."""
@@ -6970,6 +7012,119 @@ def test_sdk_errors_and_x_api_key(server, monkeypatch):
     assert status == 200 and err["object"] == "response"
 
 
+# The translations by hand: a chat answer's chunks, written here, against what the Anthropic and
+# OpenAI references say a client gets (no server, no model: milliseconds).
+
+
+def chat_chunks(*deltas, finish: str, usage: dict) -> list[dict]:
+    """Chat stream chunks: one per delta, the last with finish_reason, then the usage chunk."""
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = finish
+    return [*chunks, {"choices": [], "usage": usage}]
+
+
+TEXT_THEN_CALL = (
+    {"content": "Let me look."},
+    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]},
+)
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def test_anthropic_tool_choice_any_forces_a_call_and_disable_parallel_allows_one():
+    """Anthropic: tool_choice {"type": "any"} means the model must use one of the tools (chat's
+    "required"); disable_parallel_tool_use: true allows at most one call, and without it several."""
+    from nanoflow.anthropic import chat_body
+
+    base = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    got = [
+        chat_body({**base, "tools": tools, "tool_choice": choice})
+        for choice in (
+            {"type": "any"},
+            {"type": "auto"},
+            {"type": "auto", "disable_parallel_tool_use": True},
+        )
+    ]
+    assert [(c["tool_choice"], c["parallel_tool_calls"]) for c in got] == [
+        ("required", True),
+        ("auto", True),
+        ("auto", False),
+    ]
+
+
+def test_anthropic_stream_indexes_each_block_and_counts_output_tokens():
+    """Anthropic's stream: each block's start, deltas and stop carry that block's index (text 0,
+    then the tool_use 1); usage.output_tokens is the generated tokens only (3 of 10 in all), in the
+    message_delta and the Message; a call ends with stop_reason "tool_use"."""
+    from nanoflow.anthropic import Translation
+
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, stop_reason=None)
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks(*TEXT_THEN_CALL, finish="tool_calls", usage=USAGE)))
+    blocks = [(k, d["index"]) for k, d in events if k.startswith("content_block")]
+    assert blocks == [
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+    ]
+    delta = next(d for k, d in events if k == "message_delta")
+    assert delta["usage"] == {"output_tokens": 3} and delta["delta"]["stop_reason"] == "tool_use"
+    assert t.whole["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    assert t.whole["content"][1]["input"] == {"a": 1} and t.whole["stop_reason"] == "tool_use"
+
+
+def test_anthropic_message_names_the_stop_sequence_that_ended_it():
+    """Anthropic: a Message ended by one of stop_sequences has stop_reason "stop_sequence" and
+    stop_sequence set to that string, in the Message as in the stream's message_delta."""
+    from nanoflow.anthropic import Translation
+
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, stop_reason="END")
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks({"content": "ab"}, finish="stop", usage=USAGE)))
+    delta = next(d for k, d in events if k == "message_delta")["delta"]
+    assert delta == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert (t.whole["stop_reason"], t.whole["stop_sequence"]) == ("stop_sequence", "END")
+
+
+def test_responses_effort_none_turns_thinking_off_and_instructions_come_first():
+    """Responses: reasoning.effort "none" asks for no reasoning, any other effort for some; the
+    instructions are the system message, before every input item."""
+    from nanoflow.responses import chat_body
+
+    turn = [{"type": "message", "role": "user", "content": "hi"}]
+    body = {"input": turn, "instructions": "be brief"}
+    kwargs = [
+        chat_body({**body, "reasoning": {"effort": e}})["chat_template_kwargs"]
+        for e in ("none", "low")
+    ]
+    assert kwargs == [{"enable_thinking": False}, {"enable_thinking": True}]
+    assert chat_body(body)["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+def test_responses_cut_by_max_output_tokens_is_incomplete_and_usage_adds_up():
+    """Responses: an answer cut by max_output_tokens is status "incomplete", incomplete_details
+    {"reason": "max_output_tokens"}, and so is the item it cut; usage.total_tokens is input plus
+    output tokens (7 + 3)."""
+    from nanoflow.responses import Translation
+
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, created=0)
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks({"content": "ab"}, finish="length", usage=USAGE)))
+    assert events[-1][0] == "response.incomplete"
+    done = [d["item"] for k, d in events if k == "response.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]
+    assert t.whole["status"] == "incomplete"
+    assert t.whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert t.whole["usage"] == {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}
+
+
 # ------------------------------------------------ issue 42: the rules clients rely on, by the spec
 # Each row is a rule of the OpenAI API (vLLM's where OpenAI says nothing) with its answer written by
 # hand. A scripted model writes the row's text: logits that pick the script's next token, so that
@@ -7507,6 +7662,25 @@ def test_tool_names_of_up_to_64_characters(tool_server, monkeypatch):
         assert got == status, (name, answer)
         if status == 200:
             assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name
+
+
+def test_a_grammar_masks_a_padded_vocab_wider_than_the_tokenizers(ckpt):
+    """A model whose logits row is wider than its tokenizer's vocabulary (an embedding padded to a
+    multiple of 64) is constrained over the whole row: the padding ids are never allowed, and the
+    first token of a JSON object may only be "{"."""
+    from nanoflow.grammar import Grammars, apply_bitmasks
+    from nanoflow.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(ckpt, [2])
+    n = tokenizer.tk.get_vocab_size()
+    grammars = Grammars(tokenizer, n + 64)
+    req = types.SimpleNamespace(matcher=grammars.matcher({"type": "object"}))
+    logits = torch.zeros(2, n + 64)
+    logits[:, n:] = 100.0  # the padding ids, which the model was never trained to avoid
+    out = apply_bitmasks(logits, [req, types.SimpleNamespace(matcher=None)])
+    allowed = torch.isfinite(out[0]).nonzero().flatten().tolist()
+    assert [tokenizer.decode([i]) for i in allowed] == ["{"]
+    assert torch.equal(out[1], logits[1])  # the free row as it was
 
 
 # ---- The house: the size rule and the planted bugs (docs/design.md, "The house") ----

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,6 +269,7 @@ class RegimeRow:
     the other rows' steps."""
 
     name: str
+    at: str  # when its first run began (the machine's speed drifts over minutes)
     real: dict  # policy -> each repeat's summary and machine report
     steps: list[Step]
     args: argparse.Namespace  # the last repeat's, for the replay
@@ -287,16 +289,25 @@ def regimes(args: argparse.Namespace) -> None:
     rows = [run_regime(args, name, extra) for name, extra in REGIMES if args.regimes in name]
     print(
         "| regime | TTFT p99 s | rebuffer mean s | QoE mean | throughput tok/s | verdict | "
-        "simulator's error (fcfs; tokenflow) |\n" + "|---" * 7 + "|"
+        "simulator's error, fitted to the row's steps (fcfs; tokenflow) | ... to the other rows' "
+        "|\n" + "|---" * 8 + "|"
     )
     results = []
     for row in rows:
         others = [step for other in rows if other is not row for step in other.steps]
-        fit = fit_steps(calibration + others, base, "the calibration and the other rows")
-        sim = {r.name: r.summary for r in replay(row.args, row.workload, row.info, fit)}
-        results.append(print_regime(row, sim, fit))
+        fits = {
+            "own": fit_steps(calibration + row.steps, base, "the calibration and the row's"),
+            "others": fit_steps(calibration + others, base, "the calibration and the other rows"),
+        }
+        results.append(print_regime(row, {k: replay_row(row, fit) for k, fit in fits.items()}))
+        for k, fit in fits.items():
+            results[-1][f"fit_{k}"] = fit.describe()
+            results[-1][f"step_error_{k}"] = step_error(row.steps, fit)
     for result in results:
-        print(f"{result['regime']}: its steps took {result['step_error']:+.0%} of {result['fit']}")
+        print(
+            f"{result['regime']} (from {result['at']}): its steps took "
+            f"{result['step_error_others']:+.0%} of what the other rows' fit says"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": results}, indent=2))
 
@@ -314,6 +325,7 @@ def run_regime(args: argparse.Namespace, name: str, extra: str) -> RegimeRow:
     ]
     real = {"fcfs": [], "tokenflow": []}
     steps = []
+    at = time.strftime("%H:%M:%S")
     for k in range(max(2, args.repeat)):
         order = "fcfs,tokenflow" if k % 2 == 0 else "tokenflow,fcfs"
         row_args = parse_args(f"{REGIMES_BASE} {extra} --policies {order}".split() + own)
@@ -322,7 +334,7 @@ def run_regime(args: argparse.Namespace, name: str, extra: str) -> RegimeRow:
         for run in runs:
             real[run.name].append({**run.summary, **run.machine})
             steps += timed_steps(run)
-    return RegimeRow(name, real, steps, row_args, w, info)
+    return RegimeRow(name, at, real, steps, row_args, w, info)
 
 
 def timed_steps(run: Run) -> list[Step]:
@@ -331,30 +343,39 @@ def timed_steps(run: Run) -> list[Step]:
     return [(a.batch, b.at - a.at) for a, b in zip(run.decisions, run.decisions[1:])]
 
 
-def print_regime(row: RegimeRow, sim: dict, fit: CostModel) -> dict:
-    """The row's line of the table (real cells, verdict, the simulator's errors), and its record."""
+def replay_row(row: RegimeRow, fit: CostModel) -> dict:
+    return {r.name: r.summary for r in replay(row.args, row.workload, row.info, fit)}
+
+
+def step_error(steps: list[Step], fit: CostModel) -> float:
+    """How much longer the steps took than the fit says (waits for arrivals left out)."""
+    kept = busy(steps, fit)
+    return sum(t for _, t in kept) / sum(fit.step_time(terms) for terms, _ in kept) - 1
+
+
+def print_regime(row: RegimeRow, sims: dict[str, dict]) -> dict:
+    """The row's line of the table (real cells, verdict, the simulator's errors with each fit),
+    and its record."""
     real = row.real
-    errors = [sim_errors(real[p], sim[p]) for p in ("fcfs", "tokenflow")]
+    errors = {
+        k: [sim_errors(real[p], sim[p]) for p in ("fcfs", "tokenflow")] for k, sim in sims.items()
+    }
     misses = regime_verdict(row.name, real["fcfs"], real["tokenflow"])
     cells = [
         f"{spread([s[key] for s in real['fcfs']])} -> {spread([s[key] for s in real['tokenflow']])}"
         for _, key, _ in REGIME_METRICS
     ]
+    cells += ["pass" if not misses else "misses: " + ", ".join(misses)]
     quiet = max(s["others_cpu_share"] for p in real.values() for s in p) <= NOT_QUIET_SHARE
-    verdict_text = "pass" if not misses else "misses: " + ", ".join(misses)
-    verdict_text += "" if quiet else " (not quiet)"
-    print(
-        f"| {row.name} | {' | '.join(cells)} | {verdict_text} | {errors[0][0]}; {errors[1][0]} |",
-        flush=True,
-    )
-    busy_steps = busy(row.steps, fit)  # how much longer its steps took than the fit says
-    took = sum(t for _, t in busy_steps) / sum(fit.step_time(terms) for terms, _ in busy_steps)
+    cells[-1] += "" if quiet else " (not quiet)"
+    cells += [f"{e[0][0]}; {e[1][0]}" for e in errors.values()]
+    print(f"| {row.name} | {' | '.join(cells)} |", flush=True)
     return {
         "regime": row.name,
+        "at": row.at,
         "real": real,
-        "sim": sim,
+        "sim": sims,
         "misses": misses,
-        "sim_within": [e[1] for e in errors],
-        "fit": fit.describe(),
-        "step_error": took - 1,
+        "sim_within": {k: [e[1] for e in errs] for k, errs in errors.items()},
+        "steps": [[*terms, t] for terms, t in row.steps],
     }

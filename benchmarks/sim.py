@@ -57,7 +57,7 @@ class StepTerms(NamedTuple):
             sum(n for _, n in chunks if n > 1),
             sum(n == 1 for _, n in chunks),
             sum(done + n for done, n in chunks),
-            sum(n * (done + (n + 1) // 2) for done, n in chunks if n > 1),
+            sum(prompt_pairs(done, n) for done, n in chunks if n > 1),
         )
 
 

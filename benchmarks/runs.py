@@ -338,7 +338,8 @@ def drive_http(url: str, w: Workload) -> Run:
     request (--multi-turn: per conversation), timed at the client. Counters: summed over every
     replica the router lists."""
     try:
-        while b'"loading"' in http_call(url, "GET", "/health").read():  # its checkpoint
+        # loading its checkpoint: nanoflow answers '"loading"', llama.cpp's server 'Loading model'
+        while b"loading" in http_call(url, "GET", "/health").read().lower():
             time.sleep(1)
         wall = time.monotonic()
         urls = servers(url)

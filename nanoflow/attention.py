@@ -214,13 +214,13 @@ def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Grouped-query attention in fp32 (torch's fused SDPA; K/V heads are shared, not repeated):
-    q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True: may attend) -> like q."""
-    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    """Grouped-query attention by fused SDPA in the pool's dtype (it sums in fp32), K/V heads
+    shared: q [b, n, heads, d], k/v [b, l, kv_heads, d], mask [b, n, l] (True: attend) -> like q."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
     )
-    return out.transpose(1, 2).to(q.dtype)
+    return out.transpose(1, 2)
 
 
 @_jit

@@ -6228,6 +6228,25 @@ def test_out_of_memory_the_newest_newcomer_leaves_first_by_hand():
     assert policy.victim(s, 0.0) is last
 
 
+def test_out_of_memory_a_reader_about_to_end_is_not_the_victim_by_hand():
+    """Memory runs out mid-step, no reader can wait a switch and none is new. The reader with
+    the most buffer (1.0 s) has 10 tokens left: 10 x 20 ms ends it within the 1.5-s interval,
+    and its blocks come back without a pause. The victim is the most buffered of the others
+    (0.8 s, 400 tokens left), not the least (0.5 s)."""
+    engine = sim_engine(toy_cost(), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.02, 0, 1)
+    readers = []
+    for tokens_left, buffer_s in ((10, 1.0), (400, 0.8), (400, 0.5)):
+        reader = running_request(engine, 100, tokens_left + 1)
+        reader.append(0, 0.0)
+        reader.dry_at = buffer_s
+        readers.append(reader)
+    assert not any(policy.preemptable(s, r, 0.0) for r in readers)
+    assert policy.victim(s, 0.0) is readers[1]
+
+
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():
     """The capacity a rebalance compares the readers' demand with comes from a line fitted
     through decode steps (batch, seconds). A step that also ran prompt tokens says little about

@@ -72,7 +72,7 @@ class EngineConfig:
     read_rate: float = knob(DEFAULT_READ_RATE, "tokens/s of a reader who declares none", type=float)
     tokenflow: TokenFlowConfig | None = knob(
         None,
-        f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig.help()})",
+        f"TokenFlow's constants (docs/scheduling.md; defaults: {TokenFlowConfig()})",
         type=TokenFlowConfig.parse,
         metavar="KEY=VALUE,...",
     )

@@ -10,7 +10,6 @@ through to host so that a preemption copies little. Its rules beyond the paper a
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 from collections.abc import Iterable
@@ -117,10 +116,6 @@ class TokenFlowConfig:
         if unknown:
             raise ValueError(f"unknown TokenFlow constant(s) {sorted(unknown)}; known: {known}")
         return cls(**{k: float(v) for k, v in fields.items()})
-
-    @classmethod
-    def help(cls) -> str:
-        return ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
 
 
 # an arrival brings the next rebalance forward, to no sooner than this share of an interval after
@@ -311,12 +306,14 @@ class TokenFlow(FCFS):
         return switch + self.config.interval + (s.step_time() if step is None else step)
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """A reader that can wait a switch, else the newest newcomer, else the most buffered."""
+        """A reader that can wait a switch, else the newest newcomer, else the most buffered of
+        those that outlast an interval (one that ends sooner gives its blocks back by itself)."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
         fresh = [r for r in s.running if not r.started]
         if fresh and not can_wait:
             return fresh[-1]
-        return max(can_wait or s.running, key=lambda r: r.dry_at)
+        lasting = [r for r in s.running if r.num_tokens_left * s.step_time() > self.config.interval]
+        return max(can_wait or lasting or s.running, key=lambda r: r.dry_at)
 
     def token_budget(self, s: Scheduler, now: float) -> int:
         """Extension (prompts against stalls): a token per running request, and prompt tokens

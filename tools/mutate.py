@@ -133,8 +133,15 @@ MUTANTS = [
     M(
         "tokenflow-victim-least-buffered",
         "nanoflow/policies.py",
-        "return max(can_wait or s.running, key=lambda r: r.dry_at)",
-        "return min(can_wait or s.running, key=lambda r: r.dry_at)",
+        "return max(can_wait or lasting or s.running, key=lambda r: r.dry_at)",
+        "return min(can_wait or lasting or s.running, key=lambda r: r.dry_at)",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-victim-about-to-end",
+        "nanoflow/policies.py",
+        "lasting = [r for r in s.running if r.num_tokens_left * s.step_time() > self.config.interval]",
+        "lasting = list(s.running)",
         TOKENFLOW_SUBSET,
     ),
     M(

@@ -140,8 +140,8 @@ MUTANTS = [
     M(
         "tokenflow-victim-about-to-end",
         "nanoflow/policies.py",
-        "lasting = [r for r in s.running if r.num_tokens_left * s.step_time() > self.config.interval]",
-        "lasting = list(s.running)",
+        "r.num_tokens_left * s.step_time() > self.config.interval]",
+        "r.num_tokens_left * s.step_time() > 0]",
         TOKENFLOW_SUBSET,
     ),
     M(

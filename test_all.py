@@ -3159,6 +3159,18 @@ def test_switch_time_by_hand():
         assert s.policy.switch_time(s, req) == pytest.approx(expected)
 
 
+def test_tokenflow_runs_on_the_constants_it_is_given_by_hand():
+    """--tokenflow's constants are the policy's: with interval=0.5 a rebalance is due 0.5 s after
+    the last (not the default 1.5 s), and the buffer signal's horizon is 0.5 s too."""
+    given = TokenFlowConfig.parse("interval=0.5,mu=3")
+    engine = sim_engine(toy_cost(), "tokenflow", tokenflow=given)
+    s, policy = engine.scheduler, engine.scheduler.policy
+    assert policy.config == TokenFlowConfig(interval=0.5, mu=3.0, capacity_share=0.8)
+    assert policy.horizon == 0.5
+    policy.last_rebalance = 10.0
+    assert not policy.rebalance_due(s, 10.4) and policy.rebalance_due(s, 10.5)
+
+
 def test_urgency_is_when_the_reader_runs_dry_so_stalled_readers_age():
     """Stalled readers first, the longest stalled first; then newcomers by arrival; then readers
     with a buffer, by when they run dry (running requests look 10% more urgent than they are)."""
@@ -5659,6 +5671,18 @@ def test_fcfs_admission_reserves_for_the_running_and_a_misfit_holds_the_queue():
     assert fcfs_admission([(20, 40), (1, 1)]) == [0, 1]
     assert fcfs_admission([(150, 10), (1, 1)]) == []
     assert fcfs_admission([(20, 36), (1, 1)], running=[(31, 1)], max_num_seqs=2) == [0]
+
+
+def test_fcfs_admission_clips_max_tokens_at_4096_by_hand():
+    """The estimate counts at most 4096 tokens of max_tokens (SGLang's clip): W1 (16, 100,000)
+    needs the blocks for its prompt and next token (2: 32 slots) plus int(0.7 x 4096) = 2,867, and
+    starts in a pool of 200 blocks (3,200 slots), where 0.7 x 100,000 would never fit."""
+    engine = sim_engine(toy_cost(num_kv_blocks=200), "fcfs")
+    s = engine.scheduler
+    req = engine.add_request([1] * 16, SamplingParams(max_tokens=100_000, ignore_eos=True))
+    assert s.policy.future_tokens(s, req) == 32 + 2867
+    s.policy.admit(s, {}, 10**6, engine.clock())
+    assert s.running == [req]
 
 
 def test_fcfs_victims_and_retraction_ratio_by_hand():

@@ -1380,6 +1380,21 @@ def test_abort_while_preempted_or_loading_frees_everything(tiny):
     assert [r.finish_reason for r in reqs] == ["abort"] * 3
 
 
+def test_the_measured_copy_rate_is_a_running_average_by_hand():
+    """Each copy moves the link's estimate a fifth of the way to its own rate (BANDWIDTH_EMA):
+    from a guess of 5 GB/s, 1 GB copied in 1 s gives 5 + 0.2 x (1 - 5) = 4.2 GB/s, then 2 GB in
+    1 s gives 4.2 + 0.2 x (2 - 4.2) = 3.76 GB/s; a copy timed at 0 s changes nothing."""
+    shape = (2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    swapper = Swapper(KVPool(4, *shape), KVPool(4, *shape, host=True))
+    swapper.bandwidth = 5e9
+    swapper._measured(10**9, 1.0)
+    assert swapper.bandwidth == pytest.approx(4.2e9)
+    swapper._measured(2 * 10**9, 1.0)
+    assert swapper.bandwidth == pytest.approx(3.76e9)
+    swapper._measured(10**9, 0.0)
+    assert swapper.bandwidth == pytest.approx(3.76e9)
+
+
 def test_the_link_backlog_is_that_of_the_busier_of_its_lanes():
     """Copies out and back run on two lanes at once: the link is free once the busier lane is.
     A queue of 1 MB to host and none back is 1 MB of backlog, and a load waits only for loads."""

@@ -1089,7 +1089,7 @@ MUTANTS += [
         "nanoflow/swap.py",
         "self.bandwidth += BANDWIDTH_EMA * (nbytes / seconds - self.bandwidth)",
         "self.bandwidth = BANDWIDTH_EMA * (nbytes / seconds - self.bandwidth)",
-        "second_turn_loads_an_evicted_prefix",
+        "second_turn_loads_an_evicted_prefix or copy_rate_is_a_running_average",
     ),
     M(
         "swap-prefix-load-keeps-host-refs",

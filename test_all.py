@@ -7136,6 +7136,38 @@ def test_anthropic_stream_indexes_each_block_and_counts_output_tokens():
     assert t.whole["content"][1]["input"] == {"a": 1} and t.whole["stop_reason"] == "tool_use"
 
 
+def test_anthropic_parallel_tool_uses_each_get_their_own_input():
+    """Anthropic: each tool_use block's `input` is its own call's arguments, streamed as its own
+    input_json_delta pieces: the second of two parallel calls gets {"zone": "CET"}, not the JSON
+    of both calls run together (which is no JSON, so {})."""
+    from nanoflow.anthropic import Translation
+
+    def head(i: int, name: str) -> dict:
+        call = {"index": i, "id": f"call_{i}", "type": "function"}
+        return {"tool_calls": [{**call, "function": {"name": name, "arguments": ""}}]}
+
+    def args(i: int, text: str) -> dict:
+        return {"tool_calls": [{"index": i, "function": {"arguments": text}}]}
+
+    deltas = [
+        head(0, "weather"),
+        args(0, '{"city": '),
+        args(0, '"Paris"}'),
+        head(1, "time"),
+        args(1, '{"zone": "CET"}'),
+    ]
+    reply = types.SimpleNamespace(model="tiny", num_prompt=7, stop_reason=None)
+    t = Translation({}, reply)
+    events = list(t.events(chat_chunks(*deltas, finish="tool_calls", usage=USAGE)))
+    pieces = [d["delta"]["partial_json"] for k, d in events if k == "content_block_delta"]
+    assert pieces == ['{"city": ', '"Paris"}', '{"zone": "CET"}']
+    assert [(b["type"], b["id"], b["name"], b["input"]) for b in t.whole["content"]] == [
+        ("tool_use", "call_0", "weather", {"city": "Paris"}),
+        ("tool_use", "call_1", "time", {"zone": "CET"}),
+    ]
+    assert t.whole["stop_reason"] == "tool_use"
+
+
 def test_anthropic_message_names_the_stop_sequence_that_ended_it():
     """Anthropic: a Message ended by one of stop_sequences has stop_reason "stop_sequence" and
     stop_sequence set to that string, in the Message as in the stream's message_delta."""

@@ -1147,6 +1147,78 @@ MUTANTS += [
         "while order:",
         "fleet_of_one_is_the_single_engine",
     ),
+    # round 5, planted 2026-12-04 from the code and the specs alone (9 of 10 caught at first; the
+    # survivor, anthropic-second-tool-input-runs-on, now has a test by hand)
+    M(
+        "tokenflow-paused-members-rejoin-least-urgent",
+        "nanoflow/policies.py",
+        "return sorted((r for r in s.waiting if r in self.keep), key=urgency.get)",
+        "return sorted((r for r in s.waiting if r in self.keep), key=urgency.get, reverse=True)",
+        "tokenflow_beats_fcfs_on_a_burst or never_loses_on_small_rows",
+    ),
+    M(
+        "tokenflow-hysteresis-favours-the-paused",
+        "nanoflow/policies.py",
+        "if req.status == RequestStatus.RUNNING and slack > 0:",
+        "if req.status == RequestStatus.PREEMPTED and slack > 0:",
+        "hysteresis_by_hand",
+    ),
+    M(
+        "sched-dry-soon-counts-only-the-dry",
+        "nanoflow/sched.py",
+        "sum(r.dry_at < now + self.policy.horizon for r in started)",
+        "sum(r.dry_at < now for r in started)",
+        "fleet_metrics_carry_vllms_gauges",
+    ),
+    M(
+        "swap-load-skips-the-partial-block",
+        "nanoflow/swap.py",
+        "n = cdiv(req.num_host_tokens, self.device.block_size)",
+        "n = req.num_host_tokens // self.device.block_size",
+        "forced_preemption_gives_identical_tokens or swap_round_trip_across_staging",
+    ),
+    M(
+        "swap-demoted-blocks-not-named",
+        "nanoflow/swap.py",
+        "self.host.cache_blocks(host_blocks, hashes)",
+        "pass",
+        "second_turn_loads_an_evicted_prefix or host_tier_takes_what_the_device_drops",
+    ),
+    M(
+        "tools-named-first-arguments-lost",
+        "nanoflow/tools.py",
+        'function = {"name": self.tools.choice, "arguments": text}',
+        'function = {"name": self.tools.choice, "arguments": ""}',
+        "streamed_tool_calls_assemble or forced_tool_calls_are_valid",
+    ),
+    M(
+        "grammar-mask-row-of-the-batch",
+        "nanoflow/grammar.py",
+        "[(reqs[i].matcher, j) for j, i in enumerate(rows)]",
+        "[(reqs[i].matcher, i) for j, i in enumerate(rows)]",
+        "each_row_of_a_mixed_batch",
+    ),
+    M(
+        "reasoning-still-thinking-after-the-end",
+        "nanoflow/reasoning.py",
+        '            self.state = "content"\n            return reasoning, content',
+        '            self.state = "reasoning"\n            return reasoning, content',
+        "splits_every_chunking or reasoning_markers_split_across_deltas",
+    ),
+    M(
+        "anthropic-second-tool-input-runs-on",
+        "nanoflow/anthropic.py",
+        'self.arguments = ""\n                yield event("content_block_stop"',
+        'pass\n                yield event("content_block_stop"',
+        "anthropic_parallel_tool_uses",
+    ),
+    M(
+        "fleet-furthest-ahead-steps-next",
+        "benchmarks/fleet.py",
+        "behind = min(busy, key=lambda e: e.clock(), default=None)",
+        "behind = max(busy, key=lambda e: e.clock(), default=None)",
+        "fleet_routers_spread",
+    ),
 ]
 
 

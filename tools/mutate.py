@@ -497,7 +497,7 @@ MUTANTS = [
         "return max(rate, READ_RATE_MIN)",
         "read_rates_are_clamped",
     ),
-    # metrics.py
+    # the bench's QoE and effective weights (benchmarks/summary.py), then metrics.py
     M(
         "qoe-absolute-times",
         "benchmarks/summary.py",

@@ -2713,8 +2713,8 @@ def test_sigterm_drains_streams_and_exits_0(ckpt, to):
 # ------------------------------------------- readers, metrics, the tokenflow policy, the simulator
 
 from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine
-from benchmarks.summary import summarize
-from nanoflow.metrics import RequestRecord, effective_weights, qoe, read_times, rebuffer_time
+from benchmarks.summary import effective_weights, qoe, summarize
+from nanoflow.metrics import RequestRecord, read_times, rebuffer_time
 from nanoflow.policies import TokenFlowConfig
 from nanoflow.request import Request, RequestStatus
 

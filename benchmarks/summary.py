@@ -1,14 +1,39 @@
 """The bench's numbers over a run's requests: TTFT, stalls, QoE and throughput.
 
 Every number is a function of each request's arrival, token times and reader's rate, through the
-metric definitions of nanoflow/metrics.py (docs/scheduling.md defines each).
+reader model of nanoflow/metrics.py; the two that only the bench reports, a token's weight in the
+effective throughput and Andes' QoE, are defined here (docs/scheduling.md defines each).
 """
 
 import torch
 
-from nanoflow.metrics import RequestRecord, effective_weights, qoe, rebuffer_time
+from nanoflow.metrics import TTFT_TARGET, RequestRecord, read_times, rebuffer_time
 
 TTFT_SLO = 2.0  # s: the bench's TTFT SLO on a GPU (--ttft-slo); a request without a token misses it
+
+
+def effective_weights(token_times: list[float], rate: float) -> list[float]:
+    """Each token's weight in the effective throughput (TokenFlow §7.1.3, docs/scheduling.md)."""
+    times = read_times(token_times, rate)
+    low, high = 0.1 * len(token_times), 0.2 * len(token_times)
+    weights = []
+    read = 0
+    for j, t in enumerate(token_times):
+        while read < j and times[read] <= t:
+            read += 1
+        buffer = j - read
+        weights.append(1.0 if buffer <= low else max(0.0, (high - buffer) / (high - low)))
+    return weights
+
+
+def qoe(
+    arrival: float, token_times: list[float], rate: float, ttft_target: float = TTFT_TARGET
+) -> float:
+    """Andes' QoE (docs/scheduling.md); reading before a token's due time counts as on time."""
+    times = read_times(token_times, rate)
+    late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(times))
+    total = sum(t - arrival for t in times)
+    return 1.0 - late / total if total > 0 else 1.0
 
 
 def mean(xs: list[float]) -> float:

@@ -45,30 +45,6 @@ def rebuffer_time(token_times: list[float], rate: float) -> float:
     return sum(stall for _, stall in reads(token_times, rate))
 
 
-def effective_weights(token_times: list[float], rate: float) -> list[float]:
-    """Each token's weight in the effective throughput (TokenFlow §7.1.3, docs/scheduling.md)."""
-    times = read_times(token_times, rate)
-    low, high = 0.1 * len(token_times), 0.2 * len(token_times)
-    weights = []
-    read = 0
-    for j, t in enumerate(token_times):
-        while read < j and times[read] <= t:
-            read += 1
-        buffer = j - read
-        weights.append(1.0 if buffer <= low else max(0.0, (high - buffer) / (high - low)))
-    return weights
-
-
-def qoe(
-    arrival: float, token_times: list[float], rate: float, ttft_target: float = TTFT_TARGET
-) -> float:
-    """Andes' QoE (docs/scheduling.md); reading before a token's due time counts as on time."""
-    times = read_times(token_times, rate)
-    late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(times))
-    total = sum(t - arrival for t in times)
-    return 1.0 - late / total if total > 0 else 1.0
-
-
 @dataclass
 class RequestRecord:
     arrival: float

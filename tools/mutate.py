@@ -497,24 +497,24 @@ MUTANTS = [
         "return max(rate, READ_RATE_MIN)",
         "read_rates_are_clamped",
     ),
-    # metrics.py
+    # the bench's QoE and effective weights (benchmarks/summary.py), then metrics.py
     M(
         "qoe-absolute-times",
-        "nanoflow/metrics.py",
+        "benchmarks/summary.py",
         "total = sum(t - arrival for t in times)",
         "total = sum(times)",
         "qoe_counts or summarize_every or metrics_by_hand",
     ),
     M(
         "qoe-ideal-one-late",
-        "nanoflow/metrics.py",
+        "benchmarks/summary.py",
         "late = sum(max(0.0, t - (arrival + ttft_target + i / rate))",
         "late = sum(max(0.0, t - (arrival + ttft_target + (i + 1) / rate))",
         "qoe_counts or summarize_every or metrics_by_hand",
     ),
     M(
         "effective-weight-band",
-        "nanoflow/metrics.py",
+        "benchmarks/summary.py",
         "low, high = 0.1 * len(token_times), 0.2 * len(token_times)",
         "low, high = 0.1 * len(token_times), 0.3 * len(token_times)",
         "qoe_counts or summarize_every or metrics_by_hand",

@@ -110,6 +110,7 @@ def worker(rank: int, size: int, init_method: str, ckpt: str, device: torch.devi
     _init(rank, size, init_method, device)
     setup = _broadcast()
     if setup is None:  # rank 0 could not load its shard
+        dist.destroy_process_group()  # a process that exits inside its group may abort (gloo)
         return
     dtype, num_blocks, block_size, num_host_blocks = setup
     model, _ = load_model(ckpt, device, dtype, Shard(rank, size))

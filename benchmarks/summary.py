@@ -1,8 +1,9 @@
 """The bench's numbers over a run's requests: TTFT, stalls, QoE and throughput.
 
-Every number is a function of each request's arrival, token times and reader's rate, through the
-reader model of nanoflow/metrics.py; the two that only the bench reports, a token's weight in the
-effective throughput and Andes' QoE, are defined here (docs/scheduling.md defines each).
+Every number is a function of each request's arrival, token times and reader's rate,
+through the reader model of nanoflow/metrics.py. The two that only the bench reports,
+a token's weight in the effective throughput and Andes' QoE, are defined here
+(docs/scheduling.md defines each).
 """
 
 import torch
@@ -13,7 +14,8 @@ TTFT_SLO = 2.0  # s: the bench's TTFT SLO on a GPU (--ttft-slo); a request witho
 
 
 def effective_weights(token_times: list[float], rate: float) -> list[float]:
-    """Each token's weight in the effective throughput (TokenFlow §7.1.3, docs/scheduling.md)."""
+    """Each token's weight in the effective throughput
+    (TokenFlow §7.1.3, docs/scheduling.md)."""
     times = read_times(token_times, rate)
     low, high = 0.1 * len(token_times), 0.2 * len(token_times)
     weights = []
@@ -29,7 +31,8 @@ def effective_weights(token_times: list[float], rate: float) -> list[float]:
 def qoe(
     arrival: float, token_times: list[float], rate: float, ttft_target: float = TTFT_TARGET
 ) -> float:
-    """Andes' QoE (docs/scheduling.md); reading before a token's due time counts as on time."""
+    """Andes' QoE (docs/scheduling.md): reading before a token's due time counts as
+    on time."""
     times = read_times(token_times, rate)
     late = sum(max(0.0, t - (arrival + ttft_target + i / rate)) for i, t in enumerate(times))
     total = sum(t - arrival for t in times)

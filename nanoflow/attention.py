@@ -274,8 +274,9 @@ def decode_attention_ref(
     max_seq_len: int,
     scale: float,
 ) -> Tensor:
-    """One query token per sequence: q [num_seqs, heads, d] -> [num_seqs, heads, d], by two bmm's
-    per KV head (fp32 scores): on a CPU 3-5x faster than SDPA's flash kernel (docs/results.md)."""
+    """One query token per sequence: q [num_seqs, heads, d] -> [num_seqs, heads, d].
+    Two bmm's per KV head, scores in fp32: on a CPU 3-5x faster than SDPA's flash kernel,
+    which tiles for many queries (docs/results.md)."""
     k = _gather_context(k_cache, block_tables, max_seq_len)
     v = _gather_context(v_cache, block_tables, max_seq_len)
     num_seqs, heads, head_dim = q.shape
@@ -285,10 +286,10 @@ def decode_attention_ref(
     keys = k.transpose(1, 2).reshape(-1, max_seq_len, head_dim).float()
     values = v.transpose(1, 2).reshape(-1, max_seq_len, head_dim)
     queries = q.reshape(-1, group, head_dim).float()
-    scores = torch.bmm(queries, keys.transpose(1, 2)).view(num_seqs, kv_heads, group, -1) * scale
+    scores = torch.bmm(queries, keys.transpose(1, 2)) * scale  # [seqs * kv_heads, group, len]
     past_end = torch.arange(max_seq_len, device=q.device) >= seq_lens[:, None]
-    scores.masked_fill_(past_end[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(-1, group, max_seq_len)
+    scores.masked_fill_(past_end.repeat_interleave(kv_heads, dim=0)[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.bmm(probs, values).view(num_seqs, heads, head_dim)
 
 
@@ -488,7 +489,9 @@ def extend_attention_ref(
         v = _gather_context(v_cache, meta.block_tables[i][None], seq_len)
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None] <= q_pos[:, None]
-        queries, keys, values = (x.transpose(0, 1) for x in (q[start : start + n], k[0], v[0]))
+        queries = q[start : start + n].transpose(0, 1)  # [heads, n, d]
+        keys = k[0].transpose(0, 1)  # [kv_heads, seq_len, d]
+        values = v[0].transpose(0, 1)
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )  # fused, in the pool's dtype (it sums in fp32)

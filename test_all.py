@@ -223,6 +223,9 @@ def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(tiny):
 
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
 def test_small_pool_preempts_and_frees_everything(tiny, policy):
+    """fcfs starts what its estimate allows and retracts when the pool runs short; tokenflow
+    starts a newcomer only while the pool holds everyone until their readers can wait a switch,
+    so in this pool it never has to preempt."""
     path, _ = tiny
     prompts = random_prompts(8, TINY["vocab_size"], seed=4, lengths=(20, 60))
     expected = [
@@ -244,7 +247,7 @@ def test_small_pool_preempts_and_frees_everything(tiny, policy):
     small.engine.step = step
     outs = small.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
-    assert any(r.num_preemptions for r in reqs_seen)
+    assert any(r.num_preemptions for r in reqs_seen) is (policy == "fcfs")
     assert small.engine.kv.num_free == small.engine.kv.num_blocks
 
 
@@ -2715,7 +2718,7 @@ def test_sigterm_drains_streams_and_exits_0(ckpt, to):
 from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine
 from benchmarks.summary import effective_weights, qoe, summarize
 from nanoflow.metrics import RequestRecord, read_times, rebuffer_time
-from nanoflow.policies import TokenFlowConfig
+from nanoflow.policies import TokenFlowConfig, peak_tokens
 from nanoflow.request import Request, RequestStatus
 
 
@@ -6284,6 +6287,41 @@ def test_out_of_memory_a_reader_about_to_end_is_not_the_victim_by_hand():
         readers.append(reader)
     assert not any(policy.preemptable(s, r, 0.0) for r in readers)
     assert policy.victim(s, 0.0) is readers[1]
+
+
+def test_peak_tokens_by_hand():
+    """Two requests of 100 and 50 tokens, each adding a token a step, leaving after 10 and 30
+    steps: 170 tokens held just before the first leaves (150 + 2 x 10), 80 before the second."""
+    assert peak_tokens([(50, 30), (100, 10)]) == 170
+    assert peak_tokens([(50, 30)]) == 80
+    assert peak_tokens([]) == 0
+
+
+@pytest.mark.parametrize(
+    "buffer_s, tokens_left, starts",
+    [(0.0, 499, False), (4.99, 499, True), (0.0, 1, True)],
+)
+def test_a_newcomer_starts_only_while_everyone_fits_until_they_can_wait_by_hand(
+    buffer_s, tokens_left, starts
+):
+    """A pool of 20 blocks; a running reader of 101 tokens (7 blocks) at 10 tokens/s, a step of
+    20 ms: its buffer grows 1 - 10 x 0.02 = 0.8 tokens a step. To wait mu switches it needs 4.988 s
+    of buffer (test_preemptable_needs_a_buffer_of_mu_switches_by_hand): from none, 4.988 x 10 / 0.8
+    = 62.35 steps. A newcomer of 100 tokens (a switch by recompute: 1.0 + 1.5 + 0.02 s) needs 6.54 s,
+    81.75 steps. Together they peak at 101 + 100 + 2 x 62.35 = 325.7 tokens: 20.4 blocks and a
+    partial one each, more than 20: the newcomer waits. It starts when the reader already has the
+    buffer (peak 201 tokens), or ends next step (peak 203.7)."""
+    engine = sim_engine(toy_cost(num_kv_blocks=20), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.02, 0, 1)
+    reader = running_request(engine, 100, tokens_left + 1)
+    reader.append(0, 0.0)
+    reader.dry_at = buffer_s
+    newcomer = engine.add_request([1] * 100, SamplingParams(max_tokens=500, read_rate=10.0))
+    policy.lives = None
+    assert policy.may_start(s, newcomer, 0.0) is starts
+    assert policy.may_start(s, reader, 0.0)  # a started reader is never held back by it
 
 
 def test_a_mixed_steps_timing_noise_does_not_flip_the_capacity_line_by_hand():

@@ -61,13 +61,16 @@ class FCFS:
                 return
             if reserved is None:
                 reserved = sum(self.future_tokens(s, r) for r in s.running)
-            if need > free - reserved:
+            if need > free - reserved or not self.may_start(s, req, now):
                 return
             budget = s.start(req, scheduled, budget, now)
             reserved += self.future_tokens(s, req)  # less what it holds now
 
     def admission_queue(self, s: Scheduler, now: float) -> Iterable[Request]:
         return iter(s.waiting)
+
+    def may_start(self, s: Scheduler, req: Request, now: float) -> bool:
+        return True
 
     def future_tokens(self, s: Scheduler, req: Request) -> int:
         """KV tokens kept free for req: its known tokens, a share of the output it may add."""
@@ -143,6 +146,7 @@ class TokenFlow(FCFS):
         self.keep: set[Request] = set()
         self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
         self.overloaded = False  # the started readers alone ask for more than the engine makes
+        self.lives: list[tuple[int, float]] | None = None  # may_start's, within one admit()
 
     @property
     def horizon(self) -> float:
@@ -364,16 +368,46 @@ class TokenFlow(FCFS):
         return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
-        """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
+        """The keep-set's waiting members (the rebalance made room for them), then the baseline;
+        newcomers among both only as may_start allows."""
+        self.lives = None  # the running requests' (tokens, steps), once a newcomer asks
         members = [r for r in self.joining if r.status in WAITING_STATES]
         listed = set(members)  # and those preempted since, when memory ran short: still members
         members += [r for r in s.waiting if r in self.keep and r not in listed]
         for req in members:
             need = s.blocks_to_start(req) + self.growth_blocks(s, itertools.chain(s.running, [req]))
-            if s.full(budget) or need > s.kv.num_free:
+            if s.full(budget) or need > s.kv.num_free or not self.may_start(s, req, now):
                 return  # while a member waits for memory, nobody outside the keep-set may take it
             budget = s.start(req, scheduled, budget, now)
         super().admit(s, scheduled, budget, now)
+
+    def may_start(self, s: Scheduler, req: Request, now: float) -> bool:
+        """Extension (the stall-free start): a newcomer starts only while the device holds the
+        running requests and it until each has read far enough ahead to wait mu switches, or has
+        ended: memory that runs short later then finds a reader that can wait, not one that stalls
+        (docs/scheduling.md, "Stall-free starts")."""
+        if req.started or not s.running:
+            return True
+        step = s.rates.decode_time(len(s.running) + 1)
+        if self.lives is None:
+            self.lives = [self.life(s, r, now, step) for r in s.running]
+        lives = [*self.lives, self.life(s, req, now, step)]
+        if peak_tokens(lives) / s.kv.block_size + len(lives) / 2 > s.kv.num_blocks:
+            return False  # each last block half full, on average
+        self.lives = lives
+        return True
+
+    def life(self, s: Scheduler, req: Request, now: float, step: float) -> tuple[int, float]:
+        """req's tokens, and the steps until its reader could wait mu switches or it ends (all of
+        its tokens left, if its reader reads a token a step or faster)."""
+        steps = req.num_tokens_left
+        gain = 1 - req.read_rate * step  # of buffer, in tokens, a step adds
+        if gain > 0:
+            switch = self.switch_time(s, req, step)
+            wait = self.lead(switch) + (self.config.mu - 1) * switch  # as preemptable() asks
+            short = max(0.0, wait - max(0.0, req.dry_at - now))
+            steps = min(steps, short * req.read_rate / gain)
+        return req.num_tokens, steps
 
     def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
         """Extension (the growth reserve): room for what reqs add until the next rebalance, once
@@ -413,6 +447,19 @@ class TokenFlow(FCFS):
         """May a preemption come? Someone waits, or the pool is nearly full and copies are async."""
         nearly_full = s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
         return bool(s.waiting) or (s.swapper.async_copies and nearly_full)
+
+
+def peak_tokens(lives: list[tuple[int, float]]) -> float:
+    """The most tokens held at once by requests that each hold `tokens`, add one a step and
+    leave after `steps`: the peak comes just before one of them leaves."""
+    held = sum(tokens for tokens, _ in lives)
+    count = len(lives)
+    peak = 0.0
+    for tokens, steps in sorted(lives, key=lambda life: life[1]):
+        peak = max(peak, held + count * steps)
+        held -= tokens
+        count -= 1
+    return peak
 
 
 POLICIES = {"tokenflow": TokenFlow, "fcfs": FCFS}

@@ -20,7 +20,8 @@ from benchmarks.workloads import (
     lru_hit_rate,
 )
 from nanoflow.kv import cdiv
-from nanoflow.metrics import TTFT_TARGET, read_times
+from benchmarks.summary import TTFT_TARGET
+from nanoflow.metrics import read_times
 from nanoflow.policies import TokenFlowConfig
 
 ROWS = [

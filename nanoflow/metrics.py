@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 
-TTFT_TARGET = 1.3  # s: past it users disengage (TokenFlow's user study); Andes' QoE target
 # engine.stats() levels (the last four: the buffer signal, docs/scheduling.md); the rest are counts
 ENGINE_GAUGES = {
     "running",

@@ -106,7 +106,6 @@ class TokenFlowConfig:
     interval: float = 1.5  # s between reschedules (Δt; the paper: 0.5-1.5 s)
     mu: float = 2.0  # a buffer must cover mu switches (and an interval) to be preempted
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
-    hysteresis: float = 0.1  # running requests look this much more urgent (Andes): no ping-pong
     write_through_below: float = 0.2  # share of free device KV under which to write through
     stall_weight: float = 1.0  # a reader's second of stall against a newcomer's second of wait
 
@@ -122,7 +121,6 @@ class TokenFlowConfig:
 
 
 # an arrival brings the next rebalance forward, to no sooner than this share of an interval after
-# the last: at 20 arrivals/s a rebalance per arrival would cost more than it decides
 ARRIVAL_REBALANCE_SHARE = 0.1
 
 
@@ -146,7 +144,6 @@ class TokenFlow(FCFS):
         self.keep: set[Request] = set()
         self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
         self.overloaded = False  # the started readers alone ask for more than the engine makes
-        self.lives: list[tuple[int, float]] | None = None  # may_start's, within one admit()
 
     @property
     def horizon(self) -> float:
@@ -164,7 +161,8 @@ class TokenFlow(FCFS):
         self.overloaded = sum(r.read_rate for r in started) > capacity
         members = self.working_set(s, started, size, capacity, urgency)
         self.keep = self.greedy_fill(s, sorted(members, key=urgency.get))
-        self.joining = self.resume_before_dry(s, urgency)
+        # its waiting members, most urgent first: admit() starts them first (back before dry)
+        self.joining = sorted((r for r in s.waiting if r in self.keep), key=urgency.get)
         return self.preempt_largest_buffers(s, now, urgency)
 
     def rebalance_due(self, s: Scheduler, now: float) -> bool:
@@ -178,13 +176,6 @@ class TokenFlow(FCFS):
         """Step 1: every request's sort key (urgency), most urgent first."""
         step = s.step_time()  # once: urgency asks for it per request
         return {r: self.urgency(s, r, now, step) for r in itertools.chain(s.running, s.waiting)}
-
-    def resume_before_dry(
-        self, s: Scheduler, urgency: dict[Request, tuple[Urgency, float]]
-    ) -> list[Request]:
-        """The keep-set's waiting members, most urgent first: admit() starts them before anyone
-        else, so that a paused reader is back on the device before its buffer runs dry."""
-        return sorted((r for r in s.waiting if r in self.keep), key=urgency.get)
 
     def preempt_largest_buffers(
         self, s: Scheduler, now: float, urgency: dict[Request, tuple[Urgency, float]]
@@ -222,13 +213,6 @@ class TokenFlow(FCFS):
         prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
         newcomers = [r for r in s.waiting if not r.started]
-        dry_soon = any(urgency[r][0] == Urgency.DRY_SOON for r in s.waiting if r.started)
-        if self.overloaded and dry_soon:
-            # Extension (the overload gate): past capacity a paused reader runs dry: the estimates
-            # were kind; only the oldest newcomer joins, once it waited an interval (more push
-            # readers out, swaps feed swaps)
-            due = s.clock() - self.config.interval
-            newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]
         # the share kept for switches: none if all fit at once, else one request's share of a batch
         n = len(members) + len(newcomers)
         fits = s.batch_that_fits(n, s.lifetime_size(newcomers, size))
@@ -255,15 +239,6 @@ class TokenFlow(FCFS):
         if not req.started:
             return Urgency.NEWCOMER, req.arrival_time
         slack = req.dry_at - now
-        if req.status == RequestStatus.RUNNING and slack > 0:
-            slack *= 1 - self.config.hysteresis
-        # a switch takes at least an interval and a step, at most a recompute more: outside these
-        # bounds (most requests) the estimate of a copy's time is not needed
-        step = s.step_time() if step is None else step
-        if slack < self.lead(self.config.interval + step):
-            return Urgency.DRY_SOON, now + slack
-        if slack >= self.lead(req.num_tokens / s.rates.prefill_rate + self.config.interval + step):
-            return Urgency.BUFFERED, now + slack
         if slack < self.lead(self.switch_time(s, req, step)):
             return Urgency.DRY_SOON, now + slack
         return Urgency.BUFFERED, now + slack
@@ -368,9 +343,7 @@ class TokenFlow(FCFS):
         return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
-        """The keep-set's waiting members (the rebalance made room for them), then the baseline;
-        newcomers among both only as may_start allows."""
-        self.lives = None  # the running requests' (tokens, steps), once a newcomer asks
+        """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
         members = [r for r in self.joining if r.status in WAITING_STATES]
         listed = set(members)  # and those preempted since, when memory ran short: still members
         members += [r for r in s.waiting if r in self.keep and r not in listed]
@@ -384,18 +357,14 @@ class TokenFlow(FCFS):
     def may_start(self, s: Scheduler, req: Request, now: float) -> bool:
         """Extension (the stall-free start): a newcomer starts only while the device holds the
         running requests and it until each has read far enough ahead to wait mu switches, or has
-        ended: memory that runs short later then finds a reader that can wait, not one that stalls
-        (docs/scheduling.md, "Stall-free starts")."""
+        ended: memory that runs short later finds a reader that can wait (docs/scheduling.md)."""
         if req.started or not s.running:
             return True
         step = s.rates.decode_time(len(s.running) + 1)
-        if self.lives is None:
-            self.lives = [self.life(s, r, now, step) for r in s.running]
-        lives = [*self.lives, self.life(s, req, now, step)]
-        if peak_tokens(lives) / s.kv.block_size + len(lives) / 2 > s.kv.num_blocks:
-            return False  # each last block half full, on average
-        self.lives = lives
-        return True
+        unready = [r for r in s.running if not self.preemptable(s, r, now)]  # the rest can wait
+        lives = [self.life(s, r, now, step) for r in [*unready, req]]
+        blocks = peak_tokens(lives) / s.kv.block_size + len(lives) / 2  # last blocks half full
+        return blocks <= s.kv.num_blocks
 
     def life(self, s: Scheduler, req: Request, now: float, step: float) -> tuple[int, float]:
         """req's tokens, and the steps until its reader could wait mu switches or it ends (all of

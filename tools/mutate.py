@@ -75,20 +75,6 @@ MUTANTS = [
         TOKENFLOW_SUBSET,
     ),
     M(
-        "tokenflow-past-capacity-newcomer-waits-not",
-        "nanoflow/policies.py",
-        "newcomers = [r for r in newcomers[:1] if r.arrival_time <= due]",
-        "newcomers = newcomers[:1]",
-        TOKENFLOW_SUBSET,
-    ),
-    M(
-        "tokenflow-hysteresis-wrong-way",
-        "nanoflow/policies.py",
-        "slack *= 1 - self.config.hysteresis",
-        "slack *= 1 + self.config.hysteresis",
-        TOKENFLOW_SUBSET,
-    ),
-    M(
         "tokenflow-newcomers-most-urgent",
         "nanoflow/policies.py",
         "return Urgency.NEWCOMER, req.arrival_time",
@@ -218,8 +204,8 @@ MUTANTS = [
     M(
         "fcfs-no-reserve",
         "nanoflow/policies.py",
-        "if need > free - reserved:",
-        "if need > free:",
+        "if need > free - reserved or not",
+        "if need > free or not",
         "fcfs_admission",
     ),
     M(
@@ -1152,16 +1138,24 @@ MUTANTS += [
     M(
         "tokenflow-paused-members-rejoin-least-urgent",
         "nanoflow/policies.py",
-        "return sorted((r for r in s.waiting if r in self.keep), key=urgency.get)",
-        "return sorted((r for r in s.waiting if r in self.keep), key=urgency.get, reverse=True)",
+        "if r in self.keep), key=urgency.get)",
+        "if r in self.keep), key=urgency.get)[::-1]",
         "tokenflow_beats_fcfs_on_a_burst or never_loses_on_small_rows",
     ),
+    # planted 2026-12-04 with the stall-free start
     M(
-        "tokenflow-hysteresis-favours-the-paused",
+        "tokenflow-stall-free-start-counts-no-growth",
         "nanoflow/policies.py",
-        "if req.status == RequestStatus.RUNNING and slack > 0:",
-        "if req.status == RequestStatus.PREEMPTED and slack > 0:",
-        "hysteresis_by_hand",
+        "lives = [self.life(s, r, now, step) for r in [*s.running, req]]",
+        "lives = [(r.num_tokens, 0.0) for r in [*s.running, req]]",
+        "newcomer_starts_only or small_pool",
+    ),
+    M(
+        "tokenflow-peak-forgets-who-leaves",
+        "nanoflow/policies.py",
+        "        held -= tokens\n",
+        "",
+        "peak_tokens_by_hand",
     ),
     M(
         "sched-dry-soon-counts-only-the-dry",

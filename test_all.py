@@ -6406,9 +6406,9 @@ def fleet_workload(*flags: str):
 
 @pytest.mark.parametrize("router", list(fleet.ROUTERS))
 def test_fleet_of_one_is_the_single_engine(router):
-    w = fleet_workload(
-        "--poisson", "20", "--duration", "2", "--prompt-len", "200:50", "--output-len", "40:10"
-    )
+    # readers slower than a step, so that the rotation preempts
+    flags = "--poisson 20 --duration 2 --prompt-len 200:50 --output-len 40:10 --read-rate 4"
+    w = fleet_workload(*flags.split())
     alone = runs.drive(sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64), w, "alone")
     reqs, where, start = fleet.simulate(
         [sim_engine("cpu-smollm2", "tokenflow", num_kv_blocks=64)],

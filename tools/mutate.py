@@ -1146,8 +1146,8 @@ MUTANTS += [
     M(
         "tokenflow-stall-free-start-counts-no-growth",
         "nanoflow/policies.py",
-        "lives = [self.life(s, r, now, step) for r in [*s.running, req]]",
-        "lives = [(r.num_tokens, 0.0) for r in [*s.running, req]]",
+        "lives = [self.life(s, r, now, step) for r in [*unready, req]]",
+        "lives = [(r.num_tokens, 0.0) for r in [*unready, req]]",
         "newcomer_starts_only or small_pool",
     ),
     M(

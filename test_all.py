@@ -6126,7 +6126,7 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     dry whatever the budget, and must not hold newcomers back (multi-turn chat on the CPU: a turn's
     prompt waited 1.4-2 s behind readers at 20 tok/s). The other reader (2 tok/s) has 0.75 s of
     slack: less a 0.25 s step, at 100 prompt tokens/s, 50 prompt tokens, plus the two decodes: 52.
-    (The newcomer's 10 tokens of output are too few to outweigh a stall: see the next test.)"""
+    (Holding the rest back is short: see the next test.)"""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     fast, slow = (
@@ -6143,24 +6143,27 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
 
 
 @pytest.mark.parametrize(
-    "rate, max_tokens, budget", [(2.0, 30, 10**4), (2.0, 15, 26), (3.5, 2, 10**4)]
+    "rate, max_tokens, budget",
+    [(2.0, 30, 38), (3.0, 10, 10**4), (3.0, 6, 38), (3.8, 1, 10**4)],
 )
 def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
     rate, max_tokens, budget
 ):
-    """One reader (2 tok/s, 20 tokens left) has 0.5 s of slack; steps take 0.25 s; a newcomer's 50
-    prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 - 0.5 =
-    0.25 s: 0.25 x 20 tokens late = 5 (stall_weight 1). Held back, the reader gains 0.5 - 0.25 s a
-    step, so the chunk is free in one step, 0.25 s: the newcomer's tokens are each 0.25 s later.
-    30 tokens x 0.25 = 7.5 > 5: the whole budget; 15 x 0.25 = 3.75 < 5: only what the slack leaves,
-    (0.5 - 0.25) x 100 = 25 prompt tokens, and the decode. A reader at 3.5 tok/s gains 0.036 s a
-    step: the chunk would be free in 7 steps (1.75 s), after the next rebalance (an interval,
-    1.5 s): prompts are not held that long, although 2 tokens x 1.75 = 3.5 < 5."""
+    """One reader (20 tokens left) has 0.625 s of slack; steps take 0.25 s; a newcomer's 50 prompt
+    tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 - 0.625 =
+    0.125 s: 0.125 x 20 tokens late = 2.5 (stall_weight 1). Held back, only what the slack leaves
+    goes in, (0.625 - 0.25) x 100 = 37.5 prompt tokens, and the decode: 38. At 2 tok/s
+    the reader gains 0.5 - 0.25 s a step: the chunk is free after 0.125 s, a short hold (at most
+    short_hold, 0.3 s), taken although 30 tokens x 0.125 = 3.75 > 2.5. At 3 tok/s it gains 0.083
+    s a step: free after 1.5 steps, 0.375 s; the newcomer's tokens would each be that much later:
+    10 x 0.375 = 3.75 > 2.5, the whole budget; 6 x 0.375 = 2.25 < 2.5, held. At 3.8 tok/s the
+    chunk would be free after 9.5 steps, 2.375 s, past the next rebalance (an interval, 1.5 s):
+    prompts are not held that long, although 1 token x 2.375 < 2.5: the whole budget."""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     reader = running_request(engine, 16, 21, rate=rate)
     reader.append(0, 0.0)
-    reader.dry_at = 0.5
+    reader.dry_at = 0.625
     s.rates.prefill_rate = 100.0
     s.rates.observe(0.25, 0, 1)
     newcomer = engine.add_request([1] * 50, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

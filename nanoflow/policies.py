@@ -108,6 +108,7 @@ class TokenFlowConfig:
     capacity_share: float = 0.8  # of the measured tokens/s readers may ask: switches cost the rest
     write_through_below: float = 0.2  # share of free device KV under which to write through
     stall_weight: float = 1.0  # a reader's second of stall against a newcomer's second of wait
+    short_hold: float = 0.3  # s: prompts held back this long for readers, whatever they weigh
 
     @classmethod
     def parse(cls, text: str) -> "TokenFlowConfig":
@@ -305,9 +306,7 @@ class TokenFlow(FCFS):
         step = s.step_time()
         # running and resumable paused readers; one faster than a token a step holds no prompt back
         paused = (r for r in self.joining if r.status == RequestStatus.PREEMPTED)
-        readers = [
-            r for r in itertools.chain(s.running, paused) if r.started and r.read_rate * step < 1
-        ]
+        readers = [r for r in (*s.running, *paused) if r.started and r.read_rate * step < 1]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
         prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate
         cut = int(min(whole_budget, len(s.running) + prompt_tokens))
@@ -320,9 +319,9 @@ class TokenFlow(FCFS):
     ) -> bool:
         """Would a whole budget of prompts now save the newcomers more lateness than it costs the
         readers? A second's wait makes each token a request has still to stream a second late
-        (Andes' QoE); a reader's stall counts stall_weight times. Held back, the chunk goes in free
-        once every reader it would stall has read ahead by as much: each gains 1/read_rate - step
-        seconds a step, or finishes first; none is held for longer than an interval."""
+        (Andes' QoE); a stall counts stall_weight times. Held back, the chunk goes in free once each
+        reader it would stall has read ahead by as much, gaining 1/read_rate - step s a step, or
+        has finished. Holds of up to short_hold are always taken, holds past an interval never."""
         joining = [r for r in self.joining if r.status in WAITING_STATES]
         newcomers = [r for r in itertools.chain(s.running, joining) if not r.started]
         if not newcomers:
@@ -331,8 +330,7 @@ class TokenFlow(FCFS):
         prompts = list(itertools.accumulate(r.num_new_tokens for r in newcomers))
         served = newcomers[: max(1, sum(n <= room for n in prompts))]
         chunk = min(prompts[-1], room) / s.rates.prefill_rate
-        stall = 0.0
-        wait = 0.0
+        stall = wait = 0.0
         for r in [r for r in readers if r.dry_at < now + chunk + step]:  # those the chunk stalls
             late = chunk + step - max(0.0, r.dry_at - now)
             ahead = min(late / (1 / r.read_rate - step), r.num_tokens_left) * step
@@ -340,6 +338,8 @@ class TokenFlow(FCFS):
                 return True  # no holding prompts back beyond the next rebalance
             stall += min(chunk, late) * r.num_tokens_left
             wait = max(wait, ahead)
+        if wait <= self.config.short_hold:
+            return False  # readers first: no stall that fcfs would not cause
         return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:

@@ -138,6 +138,13 @@ MUTANTS = [
         TOKENFLOW_SUBSET,
     ),
     M(
+        "tokenflow-no-short-hold",
+        "nanoflow/policies.py",
+        "if wait <= self.config.short_hold:",
+        "if wait < 0:",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
         "tokenflow-stall-outweighs-inverted",
         "nanoflow/policies.py",
         "return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall",

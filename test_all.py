@@ -6149,16 +6149,18 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
 def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
     rate, max_tokens, budget
 ):
-    """One reader (20 tokens left) has 0.625 s of slack; steps take 0.25 s; a newcomer's 50 prompt
-    tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 - 0.625 =
-    0.125 s: 0.125 x 20 tokens late = 2.5 (stall_weight 1). Held back, only what the slack leaves
-    goes in, (0.625 - 0.25) x 100 = 37.5 prompt tokens, and the decode: 38. At 2 tok/s
-    the reader gains 0.5 - 0.25 s a step: the chunk is free after 0.125 s, a short hold (at most
-    short_hold, 0.3 s), taken although 30 tokens x 0.125 = 3.75 > 2.5. At 3 tok/s it gains 0.083
-    s a step: free after 1.5 steps, 0.375 s; the newcomer's tokens would each be that much later:
-    10 x 0.375 = 3.75 > 2.5, the whole budget; 6 x 0.375 = 2.25 < 2.5, held. At 3.8 tok/s the
-    chunk would be free after 9.5 steps, 2.375 s, past the next rebalance (an interval, 1.5 s):
-    prompts are not held that long, although 1 token x 2.375 < 2.5: the whole budget."""
+    """One reader (20 tokens left) has 0.625 s of slack; steps take 0.25 s; a
+    newcomer's 50 prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the
+    reader 0.5 + 0.25 - 0.625 = 0.125 s: 0.125 x 20 tokens late = 2.5 (stall_weight 1).
+    Held back, only what the slack leaves goes in, (0.625 - 0.25) x 100 = 37.5 prompt
+    tokens, and the decode: 38. At 2 tok/s the reader gains 0.5 - 0.25 s a step: the
+    chunk is free after 0.125 s, a short hold (at most short_hold, 0.3 s), taken
+    although 30 tokens x 0.125 = 3.75 > 2.5. At 3 tok/s it gains 0.083 s a step: free
+    after 1.5 steps, 0.375 s, and the newcomer's tokens would each be that much later:
+    10 x 0.375 = 3.75 > 2.5, the whole budget; 6 x 0.375 = 2.25 < 2.5, held. At 3.8
+    tok/s the chunk would be free after 9.5 steps, 2.375 s, past the next rebalance (an
+    interval, 1.5 s): prompts are not held that long, although 1 token x 2.375 < 2.5:
+    the whole budget."""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     reader = running_request(engine, 16, 21, rate=rate)

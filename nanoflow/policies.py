@@ -317,11 +317,11 @@ class TokenFlow(FCFS):
     def prompts_outweigh_stalls(
         self, s: Scheduler, readers: list[Request], now: float, step: float
     ) -> bool:
-        """Would a whole budget of prompts now save the newcomers more lateness than it costs the
-        readers? A second's wait makes each token a request has still to stream a second late
-        (Andes' QoE); a stall counts stall_weight times. Held back, the chunk goes in free once each
-        reader it would stall has read ahead by as much, gaining 1/read_rate - step s a step, or
-        has finished. Holds of up to short_hold are always taken, holds past an interval never."""
+        """Would a whole budget of prompts now save the newcomers more lateness than it
+        costs the readers? A second's wait makes each token still to stream a second late
+        (Andes' QoE); a stall counts stall_weight times. Held back, the chunk goes in once
+        each reader it stalls has read ahead as much (1/read_rate - step s a step) or has
+        finished. Holds up to short_hold are always taken, holds past an interval never."""
         joining = [r for r in self.joining if r.status in WAITING_STATES]
         newcomers = [r for r in itertools.chain(s.running, joining) if not r.started]
         if not newcomers:

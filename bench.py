@@ -1,9 +1,9 @@
 """nanoflow's benchmark, the entry point: `python bench.py --help` lists its modes and flags.
 
 Each mode lives in the package benchmarks/ (its __init__ maps the rooms): the command line
-(cli.py), workloads, runs on the engine and over HTTP, the report, --fidelity and --regimes, the
-simulated --matrix, --gpu-check and its timings, --sched-cost, and the simulator (sim.py) and its
-fleet (fleet.py) that they drive. `main` sends each mode to its room.
+(cli.py), workloads, runs on the engine and over HTTP, the report, --fidelity and --regimes,
+the simulated --matrix, --gpu-check and its timings, --sched-cost, and the simulator (sim.py)
+and its fleet (fleet.py) that they drive. `main` sends each mode to its room.
 """
 
 from benchmarks.cli import parse_args

@@ -111,8 +111,8 @@ def error_body(status: int, message: str) -> dict:
 def blocks(chunks: Iterator[dict]) -> Iterator[tuple[str, str, object]]:
     """A chat answer's chunks as blocks of kind "thinking", "text" or "call" (a tool call):
     ("start", kind, call head or text), ("delta", kind, text or arguments), ("stop", kind,
-    finish_reason if it is the last), then ("end", finish_reason, usage); or ("error", "", chat's
-    error)."""
+    finish_reason if it is the last), then ("end", finish_reason, usage); or ("error", "",
+    chat's error)."""
     kind, reason, usage = None, None, None
     for chunk in chunks:
         if "error" in chunk:
@@ -147,8 +147,8 @@ def event(kind: str, **data) -> tuple[str, dict]:
 
 
 class Translation:
-    """One answer's chat chunks as Anthropic's stream events, which build `whole`, the Message.
-    Each event is to be sent as it comes: the objects in it change later."""
+    """One answer's chat chunks as Anthropic's stream events, which build `whole`, the
+    Message. Each event is to be sent as it comes: the objects in it change later."""
 
     def __init__(self, body: dict, reply):
         self.reply = reply

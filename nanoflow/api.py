@@ -1,10 +1,10 @@
 """The engine thread, the only one that touches the Engine while the server runs.
 
-Connection threads (serve.py) `submit` checked requests (past `max_waiting`: a 503, its Retry-After
-from `Scheduler.wait_to_admit`); between steps this thread adds and aborts them, steps, and puts
-each one's new text on its queue as `ChoiceDelta`s (protocol.py). Named api.py as the engine's side
-of the server's API (the size rule counts the server's modules by name); it imports engine.py,
-live.py and protocol.py, never serve.py.
+Connection threads (serve.py) `submit` checked requests (past `max_waiting`: a 503, its
+Retry-After from `Scheduler.wait_to_admit`); between steps this thread adds and aborts them,
+steps, and puts each one's new text on its queue as `ChoiceDelta`s (protocol.py). Named api.py
+as the engine's side of the server's API (the size rule counts the server's modules by name);
+it imports engine.py, live.py and protocol.py, never serve.py.
 """
 
 import functools
@@ -40,7 +40,7 @@ class Choice:
 
 
 def stream_text(req: Request) -> str:
-    """The output text that is safe to show now: a possible start of a stop string is held back."""
+    """The output text safe to show now: a possible start of a stop string is held back."""
     if req.is_finished or not req.params.stop:
         return req.output_text
     hold = max(len(s) for s in req.params.stop) - 1
@@ -48,7 +48,7 @@ def stream_text(req: Request) -> str:
 
 
 class EngineLoop(threading.Thread):
-    """The only thread that touches the Engine: it makes the calls in its inbox between steps."""
+    """The only thread that touches the Engine: it makes its inbox's calls between steps."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_waiting: int, live: LiveView):
         super().__init__(name="nanoflow-engine", daemon=True)
@@ -66,7 +66,7 @@ class EngineLoop(threading.Thread):
     def submit(
         self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams], tag: str
     ) -> queue.Queue:
-        """Queue a checked request's choices; their deltas will arrive on the returned queue."""
+        """Queue a checked request's choices; their deltas arrive on the returned queue."""
         deltas: queue.Queue = queue.Queue()
         with self.lock:
             if self.stopping:
@@ -152,7 +152,7 @@ class EngineLoop(threading.Thread):
             self._abort(request_id, error)
 
     def _publish(self, choice: Choice, error: HTTPError | None = None) -> None:
-        """Send the text the request added since last time; at the end, its finish and usage."""
+        """Send the text the request added since last time; at the end, finish and usage."""
         req = choice.request
         text = stream_text(req)
         sent = choice.sent_tokens

@@ -64,7 +64,7 @@ class AttnMetadata:
 
 
 def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Triton launches on the thread's current CUDA device: make it the tensors' (cuda:1 too)."""
+    """Triton launches on the thread's current CUDA device: make it the tensors'."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -408,7 +408,7 @@ def decode_attention_triton(
     max_seq_len: int,
     scale: float,
 ) -> Tensor:
-    """Flash-decoding: attend over splits of each context in parallel, then merge the splits."""
+    """Flash-decoding: attend over splits of each context in parallel, then merge them."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     # split long contexts until the grid has DECODE_TARGET_PROGRAMS programs
@@ -628,7 +628,7 @@ def extend_config(group: int, head_dim: int, block_size: int, dtype: torch.dtype
 
 
 def _whole_batch(decode, extend):
-    """paged_attention over the flat batch: the decodes in one call, then the prefill chunks."""
+    """paged_attention over the flat batch: the decodes in one call, then prefill chunks."""
 
     def attend(
         q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float

@@ -42,9 +42,9 @@ def torchrun_rank() -> int:
 
 
 def launch(ckpt, device: torch.device, size: int) -> Shard:
-    """Join `size` ranks as rank 0 (one tensor-parallel LLM per process: a new one replaces the
-    last). Starts ranks 1..size-1, or, under torchrun, meets those it started; there a rank other
-    than 0 serves rank 0's steps instead, then ends its process."""
+    """Join `size` ranks as rank 0 (one tensor-parallel LLM per process: a new one replaces
+    the last). Starts ranks 1..size-1, or, under torchrun, meets those it started; there a
+    rank other than 0 serves rank 0's steps instead, then ends its process."""
     global leading
     shutdown()
     # no device index: a worker's "cuda" is its current device, cuda:(local) rank

@@ -1,8 +1,8 @@
 """The engine step loop and the public Python API (`LLM`), in vLLM's shape.
 
-`Engine.step()` schedules (sched.py), gets the logits from the runner (runner.py), samples, and
-postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and api.py drive it.
-It may import any module but the server's and the bench's.
+`Engine.step()` schedules (sched.py), gets the logits from the runner (runner.py), samples,
+and postprocesses (append, detokenize, check stops, free blocks); `LLM.generate` and api.py
+drive it. It may import any module but the server's and the bench's.
 """
 
 import argparse
@@ -49,7 +49,7 @@ DTYPES = {
 
 
 def knob(default, help: str, **flag):
-    """A config field that is also a command-line flag (`flag`: argparse's type, choices...)."""
+    """A config field that is also a command-line flag (`flag`: argparse's type, choices)."""
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -124,7 +124,7 @@ class EngineConfig:
 
 
 class Engine:
-    """Owns the model runner, the KV pool and the scheduler; `step()` advances every request."""
+    """Owns the model runner, KV pool and scheduler; `step()` advances every request."""
 
     def __init__(
         self,
@@ -213,8 +213,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def stats(self, buffer_signal: bool = False) -> dict[str, int]:
-        """Counters since start and the state of the queues and pools now (and the buffer signal,
-        for a router: computed only when asked)."""
+        """Counters since start and the state of the queues and pools now (and the buffer
+        signal, for a router: computed only when asked)."""
         s = self.scheduler
         swapper = s.swapper
         host = swapper.host if swapper else None
@@ -261,19 +261,19 @@ class Engine:
         return batch.sampled
 
     def idle(self) -> None:
-        """Nothing could run (everyone waits for a transfer or an interval): don't spin a core."""
+        """Nothing could run (all wait for a transfer or an interval): don't spin a core."""
         if self.has_unfinished():
             time.sleep(IDLE_WAIT_S)
 
     def wait_for_loads(self, batch: "Batch") -> None:
-        """The compute stream waits for the host-to-device KV copies of exactly these requests."""
+        """The compute stream waits for the host-to-device KV copies of these requests."""
         for req in batch.reqs:
             if req.load_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(req.load_event)
                 req.load_event = None
 
     def run(self, batch: "Batch") -> list[int]:
-        """The runner's logits of the batch; one sampled token per request in `batch.sampled`."""
+        """The runner's logits; one sampled token per request in `batch.sampled`."""
         logits = self.runner.run(batch)
         tokens = sample(logits, batch.sampled, self.tokenizer.eos_token_ids)
         self._record_logprobs(batch.sampled, logits, tokens)
@@ -290,7 +290,7 @@ class Engine:
                 req.logprobs.append((logprob, top[: req.params.logprobs]))
 
     def postprocess(self, batch: "Batch", tokens: list[int]) -> None:
-        """Advance every request past its computed tokens; append the sampled ones' new token."""
+        """Advance each request past its computed tokens; append the sampled ones' token."""
         for req, n in zip(batch.reqs, batch.query_lens):
             req.num_computed_tokens += n
         now = self.clock()  # one step makes its tokens at one moment (ties stay ties)
@@ -460,7 +460,7 @@ class CpuThreads:
         torch.set_num_threads(fixed or self.cores)
 
     def adapt(self) -> None:
-        """Once a THREADS_CHECK_S: leave other processes a core, or take it back once they idle."""
+        """Once a THREADS_CHECK_S: leave others a core, or take it back when they idle."""
         now = time.monotonic()
         if self.fixed or self.busy_at_check is None or now - self.checked_at < THREADS_CHECK_S:
             return
@@ -484,7 +484,7 @@ class CpuThreads:
 
 
 def busy_cpu_seconds() -> float | None:
-    """CPU seconds every process of this machine has used since boot (Linux; elsewhere None)."""
+    """CPU seconds all processes of this machine used since boot (Linux; elsewhere None)."""
     try:
         with open("/proc/stat") as f:
             user, nice, system, _, _, irq, softirq = map(int, f.readline().split()[1:8])

@@ -36,8 +36,8 @@ def response_format_schema(response_format) -> dict | None:
 
 
 def check_schema(schema, name: str) -> str:
-    """The llguidance grammar of a JSON schema; a ValueError names the field (`name`) and says why
-    the library rejects it."""
+    """The llguidance grammar of a JSON schema; a ValueError names the field (`name`) and says
+    why the library rejects it."""
     if not isinstance(schema, dict):
         raise ValueError(f"{name}: a JSON schema must be an object")
     try:

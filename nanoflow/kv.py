@@ -70,7 +70,7 @@ class KVPool:
         weakref.finalize(self, cudart.cudaHostUnregister, ptr)
 
     def layer_caches(self) -> list[tuple[Tensor, Tensor]]:
-        """Per-layer (k_cache, v_cache) views, each [num_blocks, block_size, kv_heads, head_dim]."""
+        """Per-layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
         return [(layer[:, 0], layer[:, 1]) for layer in self.kv_cache.unbind(1)]
 
     @property
@@ -107,7 +107,7 @@ class KVPool:
         return block
 
     def free(self, block_table: list[int], after: torch.cuda.Event | None = None) -> None:
-        """Drop references; unheld blocks return, tail first (for the LRU), once `after` is done."""
+        """Drop references; unheld blocks return, tail first (LRU), once `after` is done."""
         for block in block_table:
             self.ref_cnt[block] -= 1
         released = [block for block in reversed(block_table) if self.ref_cnt[block] == 0]
@@ -131,7 +131,7 @@ class KVPool:
         return sum(self.ref_cnt[b] == 1 for b in block_table)
 
     def match_prefix(self, hashes: list[int]) -> list[int]:
-        """Cached blocks of the longest leading run of these hashes, each referenced once more."""
+        """Cached blocks of the longest leading run of these hashes, each referenced again."""
         blocks = []
         for h in hashes:
             block = self.cached.get(h)
@@ -177,7 +177,7 @@ def build_metadata(
     block_size: int,
     device: torch.device,
 ) -> tuple[AttnMetadata, Tensor]:
-    """Attention metadata and positions: sequence i adds query_lens[i] tokens at num_computed[i]."""
+    """Metadata and positions: sequence i adds query_lens[i] tokens at num_computed[i]."""
     positions, slots = [], []
     for table, start, n in zip(block_tables, num_computed, query_lens):
         for pos in range(start, start + n):

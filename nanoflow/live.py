@@ -35,7 +35,7 @@ def page() -> bytes:
 
 
 class LiveView:
-    """Snapshots: the engine thread builds them, viewers' threads wait for them (one condition)."""
+    """Snapshots: the engine thread builds them, viewers' threads wait for them."""
 
     def __init__(self, engine: Engine, model: str):
         self.engine = engine
@@ -58,7 +58,7 @@ class LiveView:
 
     @contextmanager
     def watching(self) -> Iterator[int]:
-        """Count a viewer in while inside; gives the version to wait past (the first is fresh)."""
+        """Count a viewer in while inside; gives the version to wait past."""
         with self.changed:
             self.viewers += 1
             version = self.version

@@ -1,8 +1,8 @@
 """The reader model and the metrics, one implementation for the scheduler, the bench and the server.
 
-Everything below is a function of a request's arrival, its tokens' generation times and its reader's
-rate r (docs/scheduling.md defines them all; the bench sums them up in benchmarks/summary.py).
-At the end: /metrics. It imports no nanoflow module.
+Everything below is a function of a request's arrival, its tokens' generation times and its
+reader's rate r (docs/scheduling.md defines them all; the bench sums them up in
+benchmarks/summary.py). At the end: /metrics. It imports no nanoflow module.
 """
 
 import bisect
@@ -142,7 +142,7 @@ class Metrics:
 
 
 def engine_lines(stats: dict) -> list[str]:
-    """Every numeric engine.stats() key: levels as gauges, others counters; `X_blocks_used` too."""
+    """Numeric engine.stats() keys: levels as gauges, others counters; `X_blocks_used` too."""
     out = []
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -176,6 +176,6 @@ def vllm_lines(stats: dict, model_name: str) -> list[str]:
 
 
 def kv_usage(stats: dict) -> float:
-    """The share of device KV blocks in use, in [0, 1] (cached unreferenced blocks count as free,
-    as in vLLM)."""
+    """The share of device KV blocks in use, in [0, 1] (cached unreferenced blocks count as
+    free, as in vLLM)."""
     return 1 - stats["device_blocks_free"] / max(1, stats["device_blocks_total"])

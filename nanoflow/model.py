@@ -1,11 +1,11 @@
 """The model: its config, the Llama-family forward (Llama, Mistral, Qwen2, Qwen3), its
 tensor-parallel shards, its weights. It may import attention and tokenizer.
 
-A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one GGUF
-file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and the same
-`Tokenizer` (tokenizer.py). The forward takes one flat batch of new tokens (every request's decode
-token or prefill chunk, concatenated) and reads and writes the paged KV cache through attention.py;
-the sampler (sampler.py) turns its logits into tokens.
+A checkpoint is either a HuggingFace folder (config.json, safetensors, tokenizer.json) or one
+GGUF file. Both end up as the same `ModelConfig`, the same state dict in HuggingFace names and
+the same `Tokenizer` (tokenizer.py). The forward takes one flat batch of new tokens (every
+request's decode token or prefill chunk, concatenated) and reads and writes the paged KV cache
+through attention.py; the sampler (sampler.py) turns its logits into tokens.
 """
 
 import hashlib
@@ -165,7 +165,7 @@ class Shard:
         return (1, columns[module]) if module in columns and param == "weight" else None
 
     def take(self, name: str, t, cfg: ModelConfig) -> Tensor:
-        """This rank's slice of a tensor or of a lazy safetensors slice (which reads only that)."""
+        """This rank's slice of a tensor or of a lazy safetensors slice (reading only it)."""
         spec = self.spec(name, cfg) if self.size > 1 else None
         if spec is None:
             return t[:]
@@ -335,7 +335,7 @@ class Transformer(nn.Module):
         return self.config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        """Vocab-parallel lookup: each rank embeds the ids in its range, zeros elsewhere; summed."""
+        """Vocab-parallel lookup: each rank embeds ids in its range, 0 elsewhere; summed."""
         if self.shard.size == 1:
             return self.model.embed_tokens(input_ids)
         local = input_ids - self.vocab.start
@@ -520,7 +520,7 @@ GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pen
 
 
 def generation_config(ckpt: str | Path) -> dict:
-    """The model's own sampling defaults from a folder's generation_config.json; GGUF has none."""
+    """The model's sampling defaults from a folder's generation_config.json; GGUF has none."""
     path = Path(ckpt) / "generation_config.json"
     if not path.is_file():
         return {}

@@ -22,7 +22,7 @@ from .sched import DRY_SOON_HORIZON_S, ESTIMATE_CLIP_TOKENS, Policy, Scheduler
 
 @dataclass
 class FCFSConfig:
-    """SGLang's admission estimate: `new_token_ratio` of each request's max_tokens is kept free."""
+    """SGLang's admission estimate: `new_token_ratio` of each max_tokens is kept free."""
 
     init_new_token_ratio: float = 0.7  # SGLang's default start
     min_new_token_ratio: float = 0.1  # ...and its floor (SGLang: 0.14 of the start)
@@ -151,7 +151,7 @@ class TokenFlow(FCFS):
         return self.config.interval
 
     def preemptions(self, s: Scheduler, now: float) -> list[Request]:
-        """The rebalance: the running requests that leave the device now for more urgent ones."""
+        """The rebalance: running requests that leave the device now for more urgent ones."""
         if not s.waiting or not self.rebalance_due(s, now):
             return []
         self.last_rebalance = now
@@ -167,7 +167,7 @@ class TokenFlow(FCFS):
         return self.preempt_largest_buffers(s, now, urgency)
 
     def rebalance_due(self, s: Scheduler, now: float) -> bool:
-        """An interval passed since the last rebalance, or someone arrived since (not too soon)."""
+        """An interval passed since the last rebalance, or an arrival since (not too soon)."""
         since = now - self.last_rebalance
         soon = since >= self.config.interval * ARRIVAL_REBALANCE_SHARE
         arrived = s.last_arrival > self.last_rebalance and soon
@@ -208,8 +208,8 @@ class TokenFlow(FCFS):
         capacity: float,
         urgency: dict[Request, tuple[Urgency, float]],
     ) -> list[Request]:
-        """Step 2: the started requests, and newcomers while capacity and an interval's prefill
-        last."""
+        """Step 2: the started requests, and newcomers while capacity and an interval's
+        prefill last."""
         demand = sum(r.read_rate for r in started)
         prefill = s.rates.prefill_rate * self.config.interval
         members = list(started)
@@ -297,8 +297,8 @@ class TokenFlow(FCFS):
 
     def token_budget(self, s: Scheduler, now: float) -> int:
         """Extension (prompts against stalls): a token per running request, and prompt tokens
-        while no reader runs dry meanwhile, or when the newcomers' wait they save outweighs the
-        readers' stall they cost."""
+        while no reader runs dry meanwhile, or when the newcomers' wait they save outweighs
+        the readers' stall they cost."""
         whole_budget = s.max_num_batched_tokens
         only_decodes = not s.waiting and all(r.num_new_tokens <= 1 for r in s.running)
         if self.overloaded or only_decodes:
@@ -343,7 +343,7 @@ class TokenFlow(FCFS):
         return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
     def admit(self, s: Scheduler, scheduled: dict[Request, int], budget: int, now: float) -> None:
-        """The keep-set's waiting members (the rebalance made room for them), then the baseline."""
+        """The keep-set's waiting members (the rebalance made room), then the baseline."""
         members = [r for r in self.joining if r.status in WAITING_STATES]
         listed = set(members)  # and those preempted since, when memory ran short: still members
         members += [r for r in s.waiting if r in self.keep and r not in listed]
@@ -367,8 +367,8 @@ class TokenFlow(FCFS):
         return blocks <= s.kv.num_blocks
 
     def life(self, s: Scheduler, req: Request, now: float, step: float) -> tuple[int, float]:
-        """req's tokens, and the steps until its reader could wait mu switches or it ends (all of
-        its tokens left, if its reader reads a token a step or faster)."""
+        """req's tokens, and the steps until its reader could wait mu switches or it ends (all
+        of its tokens left, if its reader reads a token a step or faster)."""
         steps = req.num_tokens_left
         gain = 1 - req.read_rate * step  # of buffer, in tokens, a step adds
         if gain > 0:
@@ -379,8 +379,8 @@ class TokenFlow(FCFS):
         return req.num_tokens, steps
 
     def growth_blocks(self, s: Scheduler, reqs: Iterable[Request]) -> int:
-        """Extension (the growth reserve): room for what reqs add until the next rebalance, once
-        the host pool is short (docs/scheduling.md)."""
+        """Extension (the growth reserve): room for what reqs add until the next rebalance,
+        once the host pool is short (docs/scheduling.md)."""
         if not s.swapper or s.swapper.host.num_free >= s.kv.num_blocks - s.kv.num_free:
             return 0
         growth = self.growth(s)
@@ -413,7 +413,7 @@ class TokenFlow(FCFS):
         s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))
 
     def under_pressure(self, s: Scheduler) -> bool:
-        """May a preemption come? Someone waits, or the pool is nearly full and copies are async."""
+        """May a preemption come? Someone waits, or the pool is nearly full (async copies)."""
         nearly_full = s.kv.num_free < self.config.write_through_below * s.kv.num_blocks
         return bool(s.waiting) or (s.swapper.async_copies and nearly_full)
 

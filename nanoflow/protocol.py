@@ -1,9 +1,9 @@
 """The OpenAI protocol: a body read into token ids and SamplingParams, and the answers' shapes.
 
-`prompt_of`, `constraints` and `sampling_params` (through the engine's door, `Engine.check_prompt`)
-raise a ValueError for a client's mistake: serve.py answers it with a 400. `Reply` and `chunks` turn
-the engine thread's `ChoiceDelta`s into OpenAI's objects. It imports the engine's types, grammar.py
-and tools.py; serve.py, api.py and live.py import it.
+`prompt_of`, `constraints` and `sampling_params` (through the engine's door,
+`Engine.check_prompt`) raise a ValueError for a client's mistake: serve.py answers it with a
+400. `Reply` and `chunks` turn the engine thread's `ChoiceDelta`s into OpenAI's objects. It
+imports the engine's types, grammar.py and tools.py; serve.py, api.py and live.py import it.
 """
 
 import itertools
@@ -28,8 +28,8 @@ from .tools import ToolCallStream, ToolRequest, template_messages
 log = logging.getLogger("nanoflow.serve")
 
 MAX_CHOICES = 16  # `n`: copies of one prompt; more would crowd out everyone else's requests
-# the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per endpoint,
-# `json_schema` comes from response_format or tool_choice
+# the SamplingParams fields a body sets by name (OpenAI's, vLLM's); `logprobs` differs per
+# endpoint, `json_schema` comes from response_format or tool_choice
 SAMPLING_FIELDS = [
     f.name
     for f in fields(SamplingParams)
@@ -89,7 +89,7 @@ class ChoiceDelta:
 
 
 def check_fields(body: dict, request_id: str) -> None:
-    """Unsupported OpenAI parameters are a 400; fields nobody knows are ignored, with a warning."""
+    """Unsupported OpenAI parameters are a 400; unknown fields are ignored, with a warning."""
     for name, neutral in UNSUPPORTED.items():
         if body.get(name) not in (None, neutral):
             advice = f"leave it out or set it to {json.dumps(neutral)}"
@@ -140,7 +140,7 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
 
 
 def prompt_of(body: dict, tokenizer, chat: bool, tools: ToolRequest | None = None) -> list[int]:
-    """Token ids: chat `messages` and tools through the chat template, or `prompt` (text or ids)."""
+    """Token ids: chat `messages` and tools via the template, or `prompt` (text or ids)."""
     if not chat:
         return prompt_ids(body.get("prompt"), tokenizer)
     if not tokenizer.chat_template:
@@ -175,7 +175,7 @@ def constraints(
 def sampling_params(
     body: dict, ids: list[int], engine: Engine, defaults: dict, chat: bool
 ) -> list[SamplingParams]:
-    """Each choice's SamplingParams, the body's over the defaults, checked at the engine's door."""
+    """Each choice's SamplingParams, the body's over the defaults, checked by the engine."""
     given = {**defaults, **{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}}
     asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
     room = engine.max_model_len - len(ids)
@@ -332,7 +332,7 @@ def text_logprobs(tokens: list, tokenizer, start: int) -> dict:
 
 
 def chunks(reply: Reply, deltas: Iterator[ChoiceDelta], n: int) -> Iterator[dict]:
-    """The deltas as OpenAI streams them, in chat.completion.chunks; an error's body ends them."""
+    """The deltas as OpenAI's chat.completion.chunks; an error's body ends them."""
     if reply.chat:
         for i in range(n):
             yield reply.chunk(ChoiceDelta(i), role=True)

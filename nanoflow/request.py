@@ -44,8 +44,8 @@ class SamplingParams:
     json_schema: dict | None = None  # the output must be JSON valid against it (grammar.py)
 
     def __post_init__(self):
-        """Checks every field against PARAM_RULES; `stop`, `stop_token_ids` and `logit_bias` come
-        back in one shape (a list, a list, a map of ints to floats)."""
+        """Checks every field against PARAM_RULES; `stop`, `stop_token_ids` and `logit_bias`
+        come back in one shape (a list, a list, a map of ints to floats)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = self.stop or []
@@ -132,7 +132,7 @@ _request_counter = itertools.count()
 
 @dataclass(eq=False)
 class Request:
-    """One generation: its tokens, how many have KV computed, and the KV blocks that hold them."""
+    """One generation: its tokens, how many have KV computed, the KV blocks that hold them."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -166,7 +166,7 @@ class Request:
         self.dry_at = reads[-1] + 1.0 / self.read_rate if reads else self.arrival_time
 
     def append(self, token: int, now: float) -> None:
-        """A token generated now: its reader reads it at once, or when done with the one before."""
+        """A token generated now: its reader reads it at once, or after the one before."""
         self.token_ids.append(token)
         self.token_times.append(now)
         self.dry_at = max(now, self.dry_at) + 1.0 / self.read_rate

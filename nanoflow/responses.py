@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`/v1/responses`), stateless, as a translation like anthropic.py's.
 
-`chat_body` turns a Responses body into a chat body, `Translation` the chat chunks into Responses'
-events and Response. Nothing is stored: `previous_response_id`, `conversation`, `store` and
-`background` are refused. It may import anthropic.
+`chat_body` turns a Responses body into a chat body, `Translation` the chat chunks into
+Responses' events and Response. Nothing is stored: `previous_response_id`, `conversation`,
+`store` and `background` are refused. It may import anthropic.
 """
 
 import uuid

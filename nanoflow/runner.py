@@ -19,7 +19,7 @@ GRAPH_BATCH_STEP = 8  # decode batches captured in CUDA graphs: 1, 2, 4, then ev
 
 
 class ModelRunner:
-    """This rank's model on its KV pool; `ranks` (rank 0's) has the other ranks make each call."""
+    """This rank's model on its KV pool; `ranks` (rank 0's) has other ranks make each call."""
 
     def __init__(self, model: Transformer, kv: KVPool, ranks=None):
         self.model = model
@@ -92,8 +92,8 @@ class Batch:
 
 
 class DecodeGraphs:
-    """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA, the
-    same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
+    """Decode-only steps at padded batch sizes through static buffers: CUDA graphs on CUDA,
+    the same padded forward eagerly elsewhere (docs/design.md, "CUDA graphs")."""
 
     def __init__(
         self,

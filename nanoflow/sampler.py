@@ -1,9 +1,9 @@
 """The sampler: one next token per request from the logits of the step's batch.
 
 Logit bias, min_tokens, the repetition/frequency/presence penalties and the grammars of
-constrained requests (grammar.py) shape the logits;
-temperature, top_k, min_p and top_p shape each row's distribution; greedy rows take the argmax.
-Everything runs on the whole batch at once, with per-request seeds honoured. It may import grammar.
+constrained requests (grammar.py) shape the logits; temperature, top_k, min_p and top_p shape
+each row's distribution; greedy rows take the argmax. Everything runs on the whole batch at
+once, with per-request seeds honoured. It may import grammar.
 """
 
 import torch
@@ -30,8 +30,8 @@ def sample(logits: Tensor, reqs: list, eos_token_ids: list[int] = ()) -> list[in
 
 
 def processed_logits(logits: Tensor, reqs: list, eos_token_ids: list[int]) -> Tensor:
-    """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties (vLLM's),
-    then each constrained row's grammar."""
+    """The logits after logit_bias, min_tokens (EOS, stop_token_ids banned), penalties
+    (vLLM's), then each constrained row's grammar."""
     params = [r.params for r in reqs]
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
     if bias:
@@ -112,8 +112,8 @@ def sampling_probs(logits: Tensor, params: list) -> Tensor:
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], num_top: int) -> list[tuple[float, list]]:
-    """Per row: the chosen token's logprob and the num_top likeliest (id, logprob), from the raw
-    logits (as vLLM reports them: before penalties and temperature)."""
+    """Per row: the chosen token's logprob and the num_top likeliest (id, logprob), from the
+    raw logits (as vLLM reports them: before penalties and temperature)."""
     logprobs = logits.log_softmax(-1)
     chosen = logprobs.gather(1, _column(logits, tokens))[:, 0].tolist()
     top = logprobs.topk(num_top, -1)

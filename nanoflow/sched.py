@@ -156,8 +156,8 @@ class Scheduler:
         return min(self.max_num_seqs, self.kv.num_blocks * self.kv.block_size * n / size)
 
     def lifetime_size(self, reqs: Iterable[Request], start: float = 0.0) -> float:
-        """KV tokens reqs hold on average over the rest of their lives, summed onto start: each
-        its tokens and half those it may still add (at most ESTIMATE_CLIP_TOKENS)."""
+        """KV tokens reqs hold on average over the rest of their lives, summed onto start:
+        each its tokens and half those it may still add (at most ESTIMATE_CLIP_TOKENS)."""
         clip = ESTIMATE_CLIP_TOKENS
         return sum((r.num_tokens + min(r.num_tokens_left, clip) / 2 for r in reqs), start)
 

@@ -137,7 +137,7 @@ class Handler(BaseHTTPRequestHandler):
         }
 
     def end_headers(self) -> None:
-        """Every response names the request it answers; an allowed origin is told it may read it."""
+        """Each response names its request; an allowed origin is told it may read it."""
         self.send_header("X-Request-Id", self.request_id or uuid.uuid4().hex)
         if origin := self._allowed_origin():
             self.send_header("Access-Control-Allow-Origin", origin)
@@ -283,7 +283,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"input_tokens": len(ids)})
 
     def _deltas(self, deltas: queue.Queue, n: int, keepalive: bool) -> Iterator[ChoiceDelta]:
-        """The deltas of n choices until each has its last or the client leaves; see KEEPALIVE_S."""
+        """The deltas of n choices until each ends or the client leaves (see KEEPALIVE_S)."""
         poller = select.poll()
         poller.register(self.connection, select.POLLIN)
         quiet_since = time.monotonic()
@@ -399,7 +399,7 @@ def peer_closed(sock: socket.socket, poller: select.poll) -> bool:
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server, its engine thread and metrics; it listens before `attach` brings a model."""
+    """The HTTP server, its engine thread, metrics; listens before `attach` brings a model."""
 
     request_queue_size = 128  # listen backlog: a burst of clients connects at once (default: 5)
 

@@ -1,11 +1,11 @@
 """Host KV memory and the copies that make preemption nearly free (TokenFlow's proactive KV).
 
-A host pool (kv.py's layout, in CPU memory) takes the blocks running requests fill, after a step,
-so preempting a request copies only its unsynced tail; resuming loads it into fresh device blocks.
-Full blocks keep their prefix-cache hashes on host: a second cache tier, which also takes the
-cached blocks the device drops (`demote`). On CUDA copies run on side streams, one per direction
-(the link is full duplex: a load never waits behind evictions), each through two staging buffers
-(docs/design.md); on CPU every copy completes at once. It may import kv.
+A host pool (kv.py's layout, in CPU memory) takes the blocks running requests fill, after a
+step, so preempting a request copies only its unsynced tail; resuming loads it into fresh
+device blocks. Full blocks keep their prefix-cache hashes on host: a second cache tier, which
+also takes the cached blocks the device drops (`demote`). On CUDA copies run on side streams,
+one per direction (the link is full duplex: a load never waits behind evictions), each through
+two staging buffers (docs/design.md); on CPU every copy completes at once. It may import kv.
 """
 
 import time
@@ -24,7 +24,7 @@ BANDWIDTH_EMA = 0.2  # weight of the newest measurement in the running estimate
 
 @dataclass(eq=False)
 class Transfer:
-    """A chunk in flight; `finish` never holds the Swapper (a cycle would keep both pools alive)."""
+    """A chunk in flight; `finish` never holds the Swapper (a cycle keeps the pools alive)."""
 
     nbytes: int
     finish: Callable[[], None]
@@ -116,7 +116,7 @@ class Swapper:
                 return
 
     def evict(self, req) -> bool:
-        """Free req's device blocks, copying what is not on host yet; False if the host is full."""
+        """Free req's device blocks, copying what host lacks; False if the host is full."""
         start = req.num_host_tokens // self.device.block_size
         if not self._copy_out(req, start, req.num_computed_tokens):
             return False
@@ -145,7 +145,7 @@ class Swapper:
         return True
 
     def load_prefix(self, req, hashes: list[int], worth: Callable[[int], bool]) -> int:
-        """Load the leading blocks of `hashes` cached on host, if worth(their tokens); how many."""
+        """Load the leading host-cached blocks of `hashes` if worth(tokens); how many."""
         bs = self.device.block_size
         host_blocks = self.host.match_prefix(hashes)
         n = len(host_blocks)
@@ -159,8 +159,8 @@ class Swapper:
         return n
 
     def demote(self) -> None:
-        """Copy to host the cached blocks the device dropped since the last call, before anything
-        overwrites them: the two tiers together are one LRU cache."""
+        """Copy to host the cached blocks the device dropped since the last call, before
+        anything overwrites them: the two tiers together are one LRU cache."""
         blocks, host_blocks, hashes = [], [], []
         for block, h in self.device.evicted:
             if h in self.host.cached:

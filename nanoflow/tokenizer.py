@@ -1,9 +1,9 @@
 """Text in and out: the tokenizer, the chat template, and the detokenizer that streams text.
 
-A HuggingFace folder's tokenizer.json and a GGUF file's byte-level BPE vocabulary both become the
-same `Tokenizer`: encode, decode, the EOS ids and the model's own chat template (rendered in a
-sandbox). `IncrementalDetokenizer` turns each new token into the text it adds, never half a
-character, for streaming. It imports no nanoflow module.
+A HuggingFace folder's tokenizer.json and a GGUF file's byte-level BPE vocabulary both become
+the same `Tokenizer`: encode, decode, the EOS ids and the model's own chat template (rendered
+in a sandbox). `IncrementalDetokenizer` turns each new token into the text it adds, never half
+a character, for streaming. It imports no nanoflow module.
 """
 
 import json
@@ -165,7 +165,7 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def flush(self, ids: list[int]) -> str:
-        """Whatever is still held back when the request ends (an unfinished character included)."""
+        """What is held back when the request ends (an unfinished character included)."""
         prefix_text = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
         new_text = self.tokenizer.decode(ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(ids)

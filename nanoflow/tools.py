@@ -1,9 +1,9 @@
 """Tool calling: OpenAI's `tools` and `tool_choice` in, `tool_calls` out.
 
 `ToolRequest.of` checks a chat request's tools; "required" or a named function constrains the
-output (grammar.py). `parse_tool_calls` reads a model's calls back (Hermes' and Qwen's `<tool_call>`
-blocks, Llama 3's bare JSON), `ToolCallStream` a stream's. The details: docs/structured-outputs.md.
-It may import grammar and reasoning.
+output (grammar.py). `parse_tool_calls` reads a model's calls back (Hermes' and Qwen's
+`<tool_call>` blocks, Llama 3's bare JSON), `ToolCallStream` a stream's. The details:
+docs/structured-outputs.md. It may import grammar and reasoning.
 """
 
 import json
@@ -32,7 +32,7 @@ class ToolRequest:
 
     @classmethod
     def of(cls, body: dict, template: str | None) -> "ToolRequest | None":
-        """The request's tools, None if it has none or says "none"; a ValueError names the field."""
+        """The request's tools, None if none or "none"; a ValueError names the field."""
         tools = body.get("tools")
         choice = body.get("tool_choice")
         if not tools:
@@ -173,7 +173,7 @@ def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict]]:
 
 
 def _bare_json(text: str) -> list | None:
-    """The JSON values of Llama 3's answer: objects, arrays of them, separated by ';' or spaces."""
+    """Llama 3's answer's JSON values: objects, arrays of them, split by ';' or spaces."""
     decoder = json.JSONDecoder()
     values = []
     at = 0
@@ -275,8 +275,8 @@ class ToolCallStream:
         return content
 
     def finish_reason(self, reason: str) -> str:
-        """ "tool_calls" if the answer ended (not cut by max_tokens) in complete calls: a named
-        function's arguments cut by a stop string are not a call to make."""
+        """ "tool_calls" if the answer ended (not cut by max_tokens) in complete calls: a
+        named function's arguments cut by a stop string are not a call to make."""
         named = self.tools.choice not in ("auto", "required")
         complete = self.calls and (not named or is_object(self.text))
         return "tool_calls" if complete and reason == "stop" else reason

@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,9 @@ JOIN_TIMEOUT_S = 10.0  # a worker that does not stop within this is killed
 # workers wait for the next step as long as the server idles; deaths are caught by the watchdogs
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 workers: list = []  # the worker processes rank 0 started (none under torchrun)
-control = None  # a gloo group for the step messages, whatever the backend of the collectives
+# the gloo group for the step messages, whatever the backend of the collectives: a weak reference,
+# so that destroy_process_group ends its threads (left to the interpreter's exit, they may abort it)
+control = None
 leading = False  # this process is rank 0 of a live process group
 
 
@@ -150,7 +153,7 @@ def _init(rank: int, size: int, init_method: str, device: torch.device) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    control = weakref.ref(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
 
 
 def _on(x, device: torch.device):
@@ -162,7 +165,7 @@ def _on(x, device: torch.device):
 
 def _broadcast(obj=None):
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=control)
+    dist.broadcast_object_list(box, src=0, group=control())
     return box[0]
 
 

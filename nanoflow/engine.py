@@ -39,11 +39,8 @@ DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
 DTYPES = {
     "float32": torch.float32,
-    "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
     "float16": torch.float16,
-    "fp16": torch.float16,
     "half": torch.float16,
 }
 

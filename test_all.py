@@ -2719,7 +2719,7 @@ def test_sigterm_drains_streams_and_exits_0(ckpt, to):
 from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine
 from benchmarks.summary import effective_weights, qoe, summarize
 from nanoflow.metrics import RequestRecord, read_times, rebuffer_time
-from nanoflow.policies import TokenFlowConfig, peak_tokens
+from nanoflow.policies import TokenFlowConfig, peak_blocks
 from nanoflow.request import Request, RequestStatus
 
 
@@ -6224,12 +6224,16 @@ def test_out_of_memory_a_reader_about_to_end_is_not_the_victim_by_hand():
     assert policy.victim(s, 0.0) is readers[1]
 
 
-def test_peak_tokens_by_hand():
+def test_peak_blocks_by_hand():
     """Two requests of 100 and 50 tokens, each adding a token a step, leaving after 10 and 30
-    steps: 170 tokens held just before the first leaves (150 + 2 x 10), 80 before the second."""
-    assert peak_tokens([(50, 30), (100, 10)]) == 170
-    assert peak_tokens([(50, 30)]) == 80
-    assert peak_tokens([]) == 0
+    steps: the most tokens are held just before the first leaves (150 + 2 x 10 = 170, against 80
+    before the second): then 110 and 60 tokens, in blocks of 16 tokens 7 + 4. Each request's
+    last block counts whole: two of 17 tokens hold four blocks, not 34 / 16."""
+    assert peak_blocks([(50, 30), (100, 10)], 1) == 170
+    assert peak_blocks([(50, 30), (100, 10)], 16) == 11
+    assert peak_blocks([(50, 30)], 16) == 5
+    assert peak_blocks([(17, 0), (17, 0)], 16) == 4
+    assert peak_blocks([], 16) == 0
 
 
 @pytest.mark.parametrize(

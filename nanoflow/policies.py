@@ -145,10 +145,7 @@ class TokenFlow(FCFS):
         self.keep: set[Request] = set()
         self.joining: list[Request] = []  # the keep-set's waiting members, most urgent first
         self.overloaded = False  # the started readers alone ask for more than the engine makes
-
-    @property
-    def horizon(self) -> float:
-        return self.config.interval
+        self.horizon = self.config.interval
 
     def preemptions(self, s: Scheduler, now: float) -> list[Request]:
         """The rebalance: running requests that leave the device now for more urgent ones."""
@@ -363,8 +360,7 @@ class TokenFlow(FCFS):
         step = s.rates.decode_time(len(s.running) + 1)
         unready = [r for r in s.running if not self.preemptable(s, r, now)]  # the rest can wait
         lives = [self.life(s, r, now, step) for r in [*unready, req]]
-        blocks = peak_tokens(lives) / s.kv.block_size + len(lives) / 2  # last blocks half full
-        return blocks <= s.kv.num_blocks
+        return peak_blocks(lives, s.kv.block_size) <= s.kv.num_blocks
 
     def life(self, s: Scheduler, req: Request, now: float, step: float) -> tuple[int, float]:
         """req's tokens, and the steps until its reader could wait mu switches or it ends (all
@@ -418,17 +414,18 @@ class TokenFlow(FCFS):
         return bool(s.waiting) or (s.swapper.async_copies and nearly_full)
 
 
-def peak_tokens(lives: list[tuple[int, float]]) -> float:
-    """The most tokens held at once by requests that each hold `tokens`, add one a step and
-    leave after `steps`: the peak comes just before one of them leaves."""
+def peak_blocks(lives: list[tuple[int, float]], block_size: int) -> float:
+    """The most KV blocks held at once by requests that each hold `tokens`, add one a step and
+    leave after `steps`: those left just before one leaves, when the most tokens are held."""
     held = sum(tokens for tokens, _ in lives)
     count = len(lives)
-    peak = 0.0
+    moments = []  # (tokens held just before one leaves, after how many steps)
     for tokens, steps in sorted(lives, key=lambda life: life[1]):
-        peak = max(peak, held + count * steps)
+        moments.append((held + count * steps, steps))
         held -= tokens
         count -= 1
-    return peak
+    _, moment = max(moments, default=(0, 0))
+    return sum(cdiv(tokens + moment, block_size) for tokens, steps in lives if steps >= moment)
 
 
 POLICIES = {"tokenflow": TokenFlow, "fcfs": FCFS}

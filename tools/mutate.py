@@ -1162,7 +1162,7 @@ MUTANTS += [
         "nanoflow/policies.py",
         "        held -= tokens\n",
         "",
-        "peak_tokens_by_hand",
+        "peak_blocks_by_hand",
     ),
     M(
         "sched-dry-soon-counts-only-the-dry",

@@ -6228,11 +6228,13 @@ def test_peak_blocks_by_hand():
     """Two requests of 100 and 50 tokens, each adding a token a step, leaving after 10 and 30
     steps: the most tokens are held just before the first leaves (150 + 2 x 10 = 170, against 80
     before the second): then 110 and 60 tokens, in blocks of 16 tokens 7 + 4. Each request's
-    last block counts whole: two of 17 tokens hold four blocks, not 34 / 16."""
+    last block counts whole: two of 17 tokens hold four blocks, not 34 / 16, and two of 32 tokens
+    four, not the 4 + 2 x 1/2 that counting last blocks half full guessed."""
     assert peak_blocks([(50, 30), (100, 10)], 1) == 170
     assert peak_blocks([(50, 30), (100, 10)], 16) == 11
     assert peak_blocks([(50, 30)], 16) == 5
     assert peak_blocks([(17, 0), (17, 0)], 16) == 4
+    assert peak_blocks([(32, 0), (32, 0)], 16) == 4
     assert peak_blocks([], 16) == 0
 
 
@@ -6247,9 +6249,9 @@ def test_a_newcomer_starts_only_while_everyone_fits_until_they_can_wait_by_hand(
     20 ms: its buffer grows 1 - 10 x 0.02 = 0.8 tokens a step. To wait mu switches it needs 4.988 s
     of buffer (test_preemptable_needs_a_buffer_of_mu_switches_by_hand): from none, 4.988 x 10 / 0.8
     = 62.35 steps. A newcomer of 100 tokens (a switch by recompute: 1.0 + 1.5 + 0.02 s) needs
-    6.54 s, 81.75 steps. Together they peak at 101 + 100 + 2 x 62.35 = 325.7 tokens: 20.4 blocks,
-    and half a block each for the last ones: 21.4, more than 20: the newcomer waits. It starts when
-    the reader already has the buffer (201 tokens: 13.6 blocks) or ends next step (13.7)."""
+    6.54 s, 81.75 steps. Together they peak after 62.35 steps, at 163.35 and 162.35 tokens: 11
+    whole blocks each, 22, more than 20: the newcomer waits. It starts when the reader already has
+    the buffer (the peak is now: 101 and 100 tokens, 7 + 7 blocks) or ends next step (7 + 7)."""
     engine = sim_engine(toy_cost(num_kv_blocks=20), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     s.rates.prefill_rate = 100.0

@@ -1165,6 +1165,13 @@ MUTANTS += [
         "peak_blocks_by_hand",
     ),
     M(
+        "tokenflow-peak-counts-blocks-fractionally",
+        "nanoflow/policies.py",
+        "cdiv(tokens + moment, block_size)",
+        "(tokens + moment) / block_size",
+        "peak_blocks_by_hand",
+    ),
+    M(
         "sched-dry-soon-counts-only-the-dry",
         "nanoflow/sched.py",
         "sum(r.dry_at < now + self.policy.horizon for r in started)",

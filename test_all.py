@@ -3624,6 +3624,32 @@ def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, t
         assert sim["fcfs"]["completed"] == sim["tokenflow"]["completed"] == 4
     fcfs, tokenflow = (row["real"][p] for p in ("fcfs", "tokenflow"))
     assert row["misses"] == fidelity.regime_verdict(row["regime"], fcfs, tokenflow)
+    assert len(row["same_decisions"]) == 2
+    assert ("the same decisions in 2 of 2 repeats" in out) == all(row["same_decisions"])
+    assert all(s["policy_ms"] > 0 for p in row["real"].values() for s in p)
+
+
+def test_schedule_of_tells_a_different_decision_from_a_different_clock():
+    """The regime verdict's first question: did the policies decide differently at all? Two runs
+    share a schedule when each decision ran the same requests (by their place in the workload)
+    for the same tokens. A burst the memory holds: the same under both policies; one past memory:
+    not (tokenflow preempts other requests than fcfs retracts)."""
+
+    def schedules(workload: str) -> list[list[dict[int, int]]]:
+        args = cli.parse_args(
+            "--simulate --preset h200-llama3-8b --seed 0 --read-rate 20 --policies "
+            f"fcfs,tokenflow {workload}".split()
+        )
+        args.fidelity = True
+        return [fidelity.schedule_of(run) for run in runs.run_workload(args)[0]]
+
+    fcfs, tokenflow = schedules("--burst 4 --prompt-len 64:8 --output-len 32:4")
+    assert fcfs == tokenflow and len(fcfs) > 32  # a first step of four prompts, then decodes
+    assert sorted(fcfs[0]) == [0, 1, 2, 3] and all(n > 1 for n in fcfs[0].values())
+    fcfs, tokenflow = schedules(
+        "--burst 48 --prompt-len 256:8 --output-len 256:4 --num-kv-blocks 300"
+    )
+    assert fcfs != tokenflow
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])

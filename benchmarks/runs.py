@@ -470,6 +470,7 @@ class Decision:
     prefill_rate: float  # ...and of prompt tokens/s
     free_blocks: int
     batch: StepTerms  # what it computes, in the cost model's terms
+    policy_s: float  # wall seconds the scheduler took to decide (policy and bookkeeping)
 
 
 def record_decisions(scheduler) -> list[Decision]:
@@ -485,12 +486,13 @@ def record_decisions(scheduler) -> list[Decision]:
         }
         step_s = scheduler.step_time()
         free = scheduler.kv.num_free
+        began = time.perf_counter()
         out = decide()
+        spent = time.perf_counter() - began
         if out:
             batch = StepTerms.of(out)
-            log.append(
-                Decision(now, dict(out), seen, step_s, scheduler.rates.prefill_rate, free, batch)
-            )
+            prefill_rate = scheduler.rates.prefill_rate
+            log.append(Decision(now, dict(out), seen, step_s, prefill_rate, free, batch, spent))
         return out
 
     scheduler.schedule = schedule

@@ -6,6 +6,7 @@ kernels, an uninterrupted run for anything that batches, chunks or preempts.
 """
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import http.client
@@ -3616,8 +3617,11 @@ def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, t
         ["--regimes", "burst 4", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(path)]
     )
     out = capsys.readouterr().out
-    assert "| burst 4 (1/3 of capacity) |" in out and "TTFT p50" in out
+    assert "| burst 4 |" in out and "TTFT p50" in out
     (row,) = json.loads(path.read_text())["rows"]
+    # four readers at 8 tok/s, over what the engine made at the batch its memory holds
+    speeds = [4 * 8 / asked for asked in row["asked"]]
+    assert len(speeds) == 2 and all(10 < speed < 1e5 for speed in speeds)
     assert [len(row["real"][p]) for p in ("fcfs", "tokenflow")] == [2, 2]
     assert all(s["completed"] == 4 for p in row["real"].values() for s in p)
     for sim in row["sim"].values():  # fitted to the row's own steps, and to the other rows'
@@ -3627,6 +3631,17 @@ def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, t
     assert len(row["same_decisions"]) == 2
     assert ("the same decisions in 2 of 2 repeats" in out) == all(row["same_decisions"])
     assert all(s["policy_ms"] > 0 for p in row["real"].values() for s in p)
+
+
+def test_peak_demand_counts_the_readers_reading_at_once():
+    """The regime table's load: readers at 8 tok/s of 16 tokens each read for 2 s from their
+    arrival; at 0, 1 and 10 s two read at once at most (16 tok/s). A chat's later turn (follows
+    another) is left out, whatever its arrival (counted from its previous turn's end)."""
+    w = workloads.Workload([0.0, 1.0, 10.0], [8] * 3, [16] * 3, [8.0] * 3, 0, "hand")
+    assert fidelity.peak_demand(w) == 16.0
+    chat = dataclasses.replace(w, arrival=[0.0, 1.0, 0.5], follows=[-1, -1, 0])
+    assert fidelity.peak_demand(chat) == 16.0
+    assert fidelity.peak_demand(dataclasses.replace(chat, follows=None)) == 24.0
 
 
 def test_schedule_of_tells_a_different_decision_from_a_different_clock():

@@ -3547,6 +3547,26 @@ def test_bench_http(ckpt, tmp_path, capsys):
         srv.shutdown()
 
 
+def test_bench_serve_streams_each_policy_through_the_server(ckpt, tmp_path, capsys, monkeypatch):
+    """--serve: each policy's engine behind nanoflow's HTTP server in the bench's process, the
+    workload streamed and timed at the client; the server's own rebuffer agrees with the
+    client's. Each step takes 40 ms or more: four requests at 25 tok/s, readers at 100 stall."""
+    step = nanoflow.engine.Engine.step
+
+    def slow_step(engine):
+        time.sleep(0.04)
+        return step(engine)
+
+    monkeypatch.setattr(nanoflow.engine.Engine, "step", slow_step)
+    path = tmp_path / "serve.json"
+    workload = [*BENCH_WORKLOAD, "--read-rate", str(READ_RATE_MAX), "--json", str(path)]
+    bench.main(["--serve", "--ckpt", str(ckpt), "--device", "cpu", *workload])
+    check_bench_output(capsys.readouterr().out, path, ["fcfs", "tokenflow"])
+    for m in json.loads(path.read_text())["policies"].values():
+        assert m["rebuffer_mean"] > 0 and m["server_rebuffer_mean"] > 0
+        assert m["server_rebuffer_mean"] == pytest.approx(m["rebuffer_mean"], rel=0.2)
+
+
 def test_bench_http_multi_turn_resends_the_answers_as_text(ckpt, tmp_path, capsys, monkeypatch):
     """--http --multi-turn: each later turn is a chat carrying the earlier messages and answers as
     text, with its conversation's X-Session-ID; the server finds the earlier turn's prefix."""

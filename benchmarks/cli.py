@@ -130,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "beside the simulator fitted in the same run",
     )
     add("--http", metavar="URL", help="send the workload to a running server or router")
+    add(
+        "--serve",
+        action="store_true",
+        help="each policy behind nanoflow's HTTP server in this process, timed at the client",
+    )
     add("--ckpt", help="checkpoint folder or .gguf (default: the demo model)")
     EngineConfig.add_flags(ap, ENGINE_FLAGS)
     add(
@@ -159,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--sched-cost", action="store_true", help="time a decision at 256, 1024 and 4096 running")
     args = ap.parse_args(argv)
+    check_workload(ap, args)
+    check_engines(ap, args)
+    return args
+
+
+def check_workload(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A workload or a mode, and values that parse: a clear error before anything loads."""
     workload = (args.burst, args.poisson, args.trace, args.multi_turn)
     modes = (args.gpu_check, args.kernels, args.transfers, args.sched_cost, args.calibrate)
     if not (any(workload) or args.matrix is not None or args.regimes is not None or any(modes)):
@@ -173,6 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     if args.conversations and ".jsonl" not in (args.trace or ""):
         ap.error("--conversations takes the conversations of a Mooncake trace (--trace *.jsonl)")
+
+
+def check_engines(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Policies, routers, and the engines the options can run on."""
+    workload = (args.burst, args.poisson, args.trace, args.multi_turn)
     if not set(args.policies.split(",")) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
     if args.replicas is not None and (
@@ -188,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--fidelity needs a workload, --read-rate (both sides read the same) and the "
             "real engine (no --simulate, --http or --replicas)"
         )
+    if args.serve and (args.simulate or args.http or args.replicas):
+        ap.error("--serve needs the real engine (no --simulate, --http or --replicas)")
     if args.http and args.read_rate == "auto":
         ap.error("--http needs --read-rate (auto measures an engine in this process)")
-    return args

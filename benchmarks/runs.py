@@ -42,6 +42,7 @@ from nanoflow.engine import EngineConfig, busy_cpu_seconds
 from nanoflow.kv import cdiv
 from benchmarks.summary import TTFT_SLO, summarize
 from nanoflow.metrics import RequestRecord
+from nanoflow.serve import make_server
 
 CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its outputs are short
 GOOD_SHARE = 0.97  # --find-replicas: the share of requests that must reach QoE >= 0.95
@@ -370,8 +371,34 @@ def drive_http(url: str, w: Workload) -> Run:
     return Run(name, records, start + w.arrival[0], counters, time.monotonic() - wall)
 
 
+def drive_served(llm: LLM, w: Workload, label: str) -> Run:
+    """The workload through nanoflow's HTTP server on llm, in this process: drive_http's client
+    threads beside the server's, so the streams, the detokenizer and the HTTP side are in the
+    run. Counters add the server's own rebuffer mean (its readers, at each request's read_rate)."""
+    added = []
+    add_request = llm.engine.add_request
+
+    def logged_add_request(*args, **kwargs):
+        added.append(add_request(*args, **kwargs))
+        return added[-1]
+
+    llm.engine.add_request = logged_add_request
+    server = make_server(llm, port=0).start()
+    try:
+        run = drive_http(server.url, w)
+    finally:
+        server.shutdown()
+    rebuffer = server.metrics.rebuffer
+    run.counters["server_rebuffer_mean"] = rebuffer.sum / max(1, sum(rebuffer.counts))
+    run.name = label
+    # the engine's requests in the workload's order (told apart by their prompts)
+    by_prompt = {tuple(r.prompt_token_ids): r for r in added}
+    run.requests = [by_prompt[tuple(w.prompt_ids(i))] for i in range(len(w))]
+    return run
+
+
 def engine_factory(args: argparse.Namespace, w: Workload):
-    """policy -> a fresh engine (real or simulated), and a description of it."""
+    """policy -> a fresh simulated engine or real LLM, and a description of it."""
     all_memory = args.simulate or args.trace or args.multi_turn
     frac = args.kv_frac or (None if all_memory else DEFAULT_KV_FRAC)
     need = [cdiv(p + o, BLOCK_SIZE) for p, o in zip(w.prompt_len, w.output_len)]
@@ -400,7 +427,7 @@ def engine_factory(args: argparse.Namespace, w: Workload):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"{os.cpu_count()} CPUs"
     where = f"{args.ckpt or 'demo model'} on {device} ({name}, torch {torch.__version__})"
-    return (lambda policy: LLM(args.ckpt, policy=policy, **options).engine), f"real engine: {where}"
+    return (lambda policy: LLM(args.ckpt, policy=policy, **options)), f"real engine: {where}"
 
 
 def cost_model(preset: str | CostModel) -> CostModel:
@@ -414,7 +441,8 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
     runs = []
     info = {"engine": where}
     for policy in args.policies.split(","):
-        engine = make(policy=policy)
+        made = make(policy=policy)
+        engine = made if args.simulate else made.engine
         blocks = engine.stats()["device_blocks_total"]
         if not args.simulate:
             info["threads"] = engine.threads.describe() if engine.threads else "a GPU"
@@ -441,13 +469,13 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
         else:
             watch = MachineWatch()
             decisions = record_decisions(engine.scheduler) if args.fidelity else []
-            runs.append(drive(engine, w, policy))
+            runs.append(drive_served(made, w, policy) if args.serve else drive(engine, w, policy))
             runs[-1].machine = {} if args.simulate else watch.report()
             runs[-1].decisions = decisions
             swapper = engine.scheduler.swapper
             if swapper and swapper.counters["bytes_to_host"]:  # what its copies measured
                 info["link_bytes_per_s"] = swapper.bandwidth
-        del engine
+        del engine, made
         free_device_memory()
     return runs, w, info
 

@@ -327,7 +327,8 @@ class TokenFlow(FCFS):
         prompts = list(itertools.accumulate(r.num_new_tokens for r in newcomers))
         served = newcomers[: max(1, sum(n <= room for n in prompts))]
         chunk = min(prompts[-1], room) / s.rates.prefill_rate
-        stall = wait = 0.0
+        stall = 0.0
+        wait = 0.0
         for r in [r for r in readers if r.dry_at < now + chunk + step]:  # those the chunk stalls
             late = chunk + step - max(0.0, r.dry_at - now)
             ahead = min(late / (1 / r.read_rate - step), r.num_tokens_left) * step

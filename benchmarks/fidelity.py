@@ -219,7 +219,7 @@ REGIMES = [
     ),
     ("long prompts", "--burst 6 --prompt-len 1024:64 --output-len 32:8"),
     (
-        "server, burst 32 (issue 40, item 3)",
+        "burst 32 through the server (issue 40, item 3)",
         "--serve --burst 32 --prompt-len 45:2 --output-len 128:0 --kv-frac 1",
     ),
 ]

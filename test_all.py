@@ -3664,6 +3664,16 @@ def test_peak_demand_counts_the_readers_reading_at_once():
     assert fidelity.peak_demand(dataclasses.replace(chat, follows=None)) == 24.0
 
 
+def test_sim_errors_take_the_servers_rebuffer_through_the_server():
+    """The simulator's rebuffer is the engine's; through the server the client's is not (it times
+    a chunk, not each token in it): a --serve row is compared with the server's own."""
+    sim = {"ttft_p50": 1.0, "ttft_p99": 2.0, "throughput": 100.0, "rebuffer_mean": 0.1}
+    real = {**sim, "rebuffer_mean": 5.0}
+    assert fidelity.sim_errors([real], sim)[1] == 3  # 5 s against 0.1: past 15% and 0.5 s
+    served = {**real, "server_rebuffer_mean": 0.12}
+    assert fidelity.sim_errors([served], sim)[1] == 4
+
+
 def test_schedule_of_tells_a_different_decision_from_a_different_clock():
     """The regime verdict's first question: did the policies decide differently at all? Two runs
     share a schedule when each decision ran the same requests (by their place in the workload)

@@ -239,6 +239,11 @@ SIM_ERRORS = [
 SIM_TOLERANCE = 0.15  # issue 40: the simulator within 15% of the engine (rebuffer: or 0.5 s)
 
 
+def through_server(summaries: list[dict]) -> bool:
+    """Did these runs go through the server (--serve)? Their summaries carry its rebuffer."""
+    return SERVER_REBUFFER[1] in summaries[0]
+
+
 def spread(values: list[float]) -> str:
     mean = statistics.mean(values)
     return f"{mean:.3g} ({min(values):.3g}-{max(values):.3g})" if len(values) > 1 else f"{mean:.3g}"
@@ -248,8 +253,7 @@ def regime_verdict(name: str, fcfs: list[dict], tokenflow: list[dict]) -> list[s
     """What tokenflow loses against fcfs beyond the spread of fcfs's own repeats; TTFT p99 must
     be better in a burst row."""
     misses = []
-    served = SERVER_REBUFFER[1] in fcfs[0]
-    for label, key, sign in REGIME_METRICS + [SERVER_REBUFFER] * served:
+    for label, key, sign in REGIME_METRICS + [SERVER_REBUFFER] * through_server(fcfs):
         ours, theirs = [s[key] for s in tokenflow], [s[key] for s in fcfs]
         noise = max(theirs) - min(theirs)
         if sign * (statistics.mean(ours) - statistics.mean(theirs)) > noise + 1e-9:
@@ -268,7 +272,7 @@ def sim_errors(real: list[dict], sim: dict) -> tuple[str, int]:
     engine's rebuffer is the server's: the client times a chunk, not each token in it."""
     parts = []
     within = 0
-    served = SERVER_REBUFFER[1] in real[0]
+    served = through_server(real)
     for label, key in SIM_ERRORS:
         real_key = SERVER_REBUFFER[1] if served and key == "rebuffer_mean" else key
         values = [s[real_key] for s in real]
@@ -397,7 +401,7 @@ def print_regime(row: RegimeRow, sims: dict[str, dict]) -> dict:
     misses = regime_verdict(row.name, real["fcfs"], real["tokenflow"])
     cells = [f"{spread(row.asked)}x"]
     cells += [policies_cell(real, key) for _, key, _ in REGIME_METRICS]
-    if SERVER_REBUFFER[1] in real["fcfs"][0]:
+    if through_server(real["fcfs"]):
         cells[2] += f"; the server's: {policies_cell(real, SERVER_REBUFFER[1])}"
     cells += [regime_verdict_cell(row, misses)]
     quiet = max(s["others_cpu_share"] for p in real.values() for s in p) <= NOT_QUIET_SHARE

@@ -3697,6 +3697,32 @@ def test_schedule_of_tells_a_different_decision_from_a_different_clock():
     assert fcfs != tokenflow
 
 
+def test_a_replay_starts_where_the_real_run_did_and_crosses_the_http_side():
+    """What a replay gives the simulator from the real run, because the simulator does not model
+    it: each policy starts from the rates its real warm-up measured, and through the server each
+    request reaches the engine when the server submitted it and each token reaches its client the
+    real run's delay from engine to client later; TTFTs still count from the client's send."""
+    flags = "--simulate --uncharged --preset cpu-smollm2 --seed 0 --read-rate 20 --burst 4"
+    args = cli.parse_args(
+        f"{flags} --prompt-len 64:8 --output-len 16:2 --policies tokenflow".split()
+    )
+    args.fidelity = True
+    w = workloads.build_workload(args)
+    (plain,), _, _ = runs.run_policies(args, w, {"tokenflow": StepRates(prefill_rate=123.0)})
+    assert plain.decisions[0].prefill_rate == 123.0
+    assert plain.start_rates.prefill_rate != 123.0  # its own warm-up's, for a replay of this run
+    assert max(r.ttft for r in plain.records) < 1.0
+    engine_side = [RequestRecord(0.0, [1.0, 1.1], 20.0) for _ in range(4)]
+    client_side = [RequestRecord(0.0, [3.0, 3.1], 20.0) for _ in range(4)]  # 2 s to the client
+    real = runs.Run("tokenflow", client_side, 0.0, requests=engine_side, ingress=[0, 1.0, 0, 0])
+    real.start_rates = plain.start_rates
+    served = fidelity.served_replay(args, w, real)
+    assert all(r.arrival == pytest.approx(served.start) for r in served.records)  # the sends
+    ttft = [r.ttft for r in served.records]
+    assert ttft[1] > 1.0 + 2.0 and all(t > 2.0 for t in ttft)  # plain: all under 1 s
+    assert served.start == pytest.approx(plain.start)  # the clock as the plain replay's
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])
 def test_the_simulator_decides_as_the_engine_given_the_same_step_times(ckpt, policy, monkeypatch):
     """Issue 40's scene: the real engine (the tiny model, real forward, real swapper) on a virtual

@@ -36,6 +36,7 @@ from benchmarks.sim import (
 from benchmarks.workloads import Workload, build_workload, levels
 from nanoflow import LLM
 from nanoflow.engine import EngineConfig
+from nanoflow.metrics import RequestRecord
 
 FIDELITY_METRICS = [
     ("TTFT p50 (s)", "ttft_p50"),
@@ -136,8 +137,12 @@ def calibration_llm(args: argparse.Namespace) -> LLM:
     return LLM(args.ckpt, **options)
 
 
-def replay(args: argparse.Namespace, w: Workload, info: dict, fit: CostModel) -> list[Run]:
-    """The real runs' workload on the simulator with `fit`, their KV pools and policy order."""
+def replay(
+    args: argparse.Namespace, w: Workload, info: dict, fit: CostModel, real: list[Run]
+) -> list[Run]:
+    """The real runs on the simulator with `fit`: their workload, KV pools and policies, each
+    policy starting from the rates its real warm-up measured (one admission more or fewer at the
+    first step moves a burst's TTFTs by seconds)."""
     link = info.get("link_bytes_per_s", fit.link_bytes_per_s)  # the copies of the real runs
     cost = dataclasses.replace(fit, num_kv_blocks=info["kv_blocks"], link_bytes_per_s=link)
     host_kv_gb = EngineConfig.host_kv_gb if args.host_kv_gb is None else args.host_kv_gb
@@ -151,10 +156,34 @@ def replay(args: argparse.Namespace, w: Workload, info: dict, fit: CostModel) ->
             "host_kv_gb": host_kv_gb,
         }
     )
-    sim, _, _ = run_policies(sim_args, w)
-    for run in sim:
-        run.ttft_slo = ttft_slo(args)
+    sim = []
+    for run in real:
+        sim_args.policies = run.name
+        sim.append(served_replay(sim_args, w, run) if run.ingress else replay_run(sim_args, w, run))
+        sim[-1].ttft_slo = ttft_slo(args)
     return sim
+
+
+def replay_run(sim_args: argparse.Namespace, w: Workload, real: Run) -> Run:
+    (sim,), _, _ = run_policies(sim_args, w, {real.name: real.start_rates})
+    return sim
+
+
+def served_replay(sim_args: argparse.Namespace, w: Workload, real: Run) -> Run:
+    """A run through the server on the simulator, which models no HTTP: each request reaches the
+    engine when the real server submitted it (its way in, measured), and each token reaches its
+    client the real run's median delay from engine to client later (its way out)."""
+    ingress = real.ingress
+    submitted = dataclasses.replace(w, arrival=[a + d for a, d in zip(w.arrival, ingress)])
+    sim = replay_run(sim_args, submitted, real)
+    delivery = statistics.median(
+        r.token_times[0] - q.token_times[0] for r, q in zip(real.records, real.requests)
+    )
+    records = [
+        RequestRecord(r.arrival - d, [t + delivery for t in r.token_times], r.rate)
+        for r, d in zip(sim.records, ingress)
+    ]
+    return dataclasses.replace(sim, records=records, start=sim.start - ingress[0])
 
 
 def fidelity(args: argparse.Namespace) -> None:
@@ -165,7 +194,7 @@ def fidelity(args: argparse.Namespace) -> None:
     real, w, info = run_policies(args, build_workload(args))
     for run in real:
         run.ttft_slo = ttft_slo(args)
-    sim = replay(args, w, info, fit)
+    sim = replay(args, w, info, fit, real)
     print(f"workload: {w.source}; seed {args.seed}; readers {args.read_rate}")
     print(f"engine: {info['engine']}; compute: {info['threads']}")
     print(f"fitted in this run: {fit.describe()}")
@@ -298,6 +327,7 @@ class RegimeRow:
     args: argparse.Namespace  # the last repeat's, for the replay
     workload: Workload
     info: dict
+    runs: list[Run]  # the last repeat's: the replay starts each policy where its run did
 
 
 def regimes(args: argparse.Namespace) -> None:
@@ -362,7 +392,7 @@ def run_regime(args: argparse.Namespace, name: str, extra: str) -> RegimeRow:
             steps += timed_steps(run)
         same_decisions.append(schedule_of(runs[0]) == schedule_of(runs[1]))
         asked.append(peak_demand(w) / info["capacity"])
-    return RegimeRow(name, at, real, same_decisions, asked, steps, row_args, w, info)
+    return RegimeRow(name, at, real, same_decisions, asked, steps, row_args, w, info, runs)
 
 
 def peak_demand(w: Workload) -> float:
@@ -382,7 +412,7 @@ def timed_steps(run: Run) -> list[Step]:
 
 
 def replay_row(row: RegimeRow, fit: CostModel) -> dict:
-    return {r.name: r.summary for r in replay(row.args, row.workload, row.info, fit)}
+    return {r.name: r.summary for r in replay(row.args, row.workload, row.info, fit, row.runs)}
 
 
 def step_error(steps: list[Step], fit: CostModel) -> float:

@@ -42,6 +42,7 @@ from nanoflow.engine import EngineConfig, busy_cpu_seconds
 from nanoflow.kv import cdiv
 from benchmarks.summary import TTFT_SLO, summarize
 from nanoflow.metrics import RequestRecord
+from nanoflow.sched import StepRates
 from nanoflow.serve import make_server
 
 CPU_SLO_SCALE = 2.5  # the TTFT SLO on a CPU: its prompts take ~10x a GPU's, its outputs are short
@@ -122,6 +123,8 @@ class Run:
     ttft_slo: float = TTFT_SLO
     machine: dict = field(default_factory=dict)  # MachineWatch.report() of a real-engine run
     decisions: list = field(default_factory=list)  # --fidelity: every Decision of the run
+    start_rates: StepRates | None = None  # what the warm-up left the policy (replays start there)
+    ingress: list = field(default_factory=list)  # --serve: s from each send to the server's submit
 
     @functools.cached_property
     def summary(self) -> dict:
@@ -383,7 +386,16 @@ def drive_served(llm: LLM, w: Workload, label: str) -> Run:
         return added[-1]
 
     llm.engine.add_request = logged_add_request
-    server = make_server(llm, port=0).start()
+    server = make_server(llm, port=0)
+    submitted = {}
+    submit = server.loop.submit
+
+    def logged_submit(request_ids, prompt_ids, *args):
+        submitted[tuple(prompt_ids)] = time.monotonic()
+        return submit(request_ids, prompt_ids, *args)
+
+    server.loop.submit = logged_submit
+    server.start()
     try:
         run = drive_http(server.url, w)
     finally:
@@ -394,6 +406,8 @@ def drive_served(llm: LLM, w: Workload, label: str) -> Run:
     # the engine's requests in the workload's order (told apart by their prompts)
     by_prompt = {tuple(r.prompt_token_ids): r for r in added}
     run.requests = [by_prompt[tuple(w.prompt_ids(i))] for i in range(len(w))]
+    sent = [r.arrival for r in run.records]
+    run.ingress = [submitted[tuple(w.prompt_ids(i))] - sent[i] for i in range(len(w))]
     return run
 
 
@@ -435,8 +449,11 @@ def cost_model(preset: str | CostModel) -> CostModel:
     return preset if isinstance(preset, CostModel) else PRESETS[preset]()
 
 
-def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Workload, dict]:
-    """Each policy on a fresh engine: the same warm-up probe, then the identical workload."""
+def run_policies(
+    args: argparse.Namespace, w: Workload, start_rates: dict[str, StepRates] | None = None
+) -> tuple[list[Run], Workload, dict]:
+    """Each policy on a fresh engine: the same warm-up probe, then the identical workload.
+    start_rates (a replay): each policy starts from these rates instead of its warm-up's."""
     make, where = engine_factory(args, w)
     runs = []
     info = {"engine": where}
@@ -450,6 +467,9 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
         w = w.clamped(context)
         probe = probe_workload(w, blocks, engine.scheduler.max_num_batched_tokens)
         probe = drive(engine, probe.clamped(context), "warm-up")
+        warmed = copy.deepcopy(engine.scheduler.rates)
+        if start_rates:
+            engine.scheduler.rates = copy.deepcopy(start_rates[policy])
         if not runs:
             speed, capacity = decode_rates(probe.records)
             info.update(
@@ -472,6 +492,7 @@ def run_policies(args: argparse.Namespace, w: Workload) -> tuple[list[Run], Work
             runs.append(drive_served(made, w, policy) if args.serve else drive(engine, w, policy))
             runs[-1].machine = {} if args.simulate else watch.report()
             runs[-1].decisions = decisions
+            runs[-1].start_rates = warmed
             swapper = engine.scheduler.swapper
             if swapper and swapper.counters["bytes_to_host"]:  # what its copies measured
                 info["link_bytes_per_s"] = swapper.bandwidth

@@ -3651,6 +3651,8 @@ def test_bench_regimes_runs_each_row_in_both_orders_beside_the_simulator(ckpt, t
     assert len(row["same_decisions"]) == 2
     assert ("the same decisions in 2 of 2 repeats" in out) == all(row["same_decisions"])
     assert all(s["policy_ms"] > 0 for p in row["real"].values() for s in p)
+    within = min(row["sim_within"]["own"]) == len(fidelity.SIM_ERRORS)
+    assert f"under both policies in {int(within)} of 1 rows" in out
 
 
 def test_peak_demand_counts_the_readers_reading_at_once():

@@ -265,6 +265,7 @@ SIM_ERRORS = [
     ("throughput", "throughput"),
     ("rebuffer", "rebuffer_mean"),
 ]
+FITTED_TO = {"own": "each row's own steps", "others": "the other rows' steps"}
 SIM_TOLERANCE = 0.15  # issue 40: the simulator within 15% of the engine (rebuffer: or 0.5 s)
 
 
@@ -361,8 +362,20 @@ def regimes(args: argparse.Namespace) -> None:
             f"{result['regime']} (from {result['at']}): its steps took "
             f"{result['step_error_others']:+.0%} of what the other rows' fit says"
         )
+    for fit in FITTED_TO:
+        print(sim_fit_line(results, fit))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": results}, indent=2))
+
+
+def sim_fit_line(results: list[dict], fit: str) -> str:
+    """The rows where the simulator came within tolerance on every metric, under both policies."""
+    rows = [r["regime"] for r in results if min(r["sim_within"][fit]) == len(SIM_ERRORS)]
+    return (
+        f"the simulator fitted to {FITTED_TO[fit]}: "
+        f"within tolerance on all {len(SIM_ERRORS)} metrics under both policies in "
+        f"{len(rows)} of {len(results)} rows ({'; '.join(rows) or 'none'})"
+    )
 
 
 def run_regime(args: argparse.Namespace, name: str, extra: str) -> RegimeRow:

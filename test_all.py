@@ -3702,8 +3702,8 @@ def test_schedule_of_tells_a_different_decision_from_a_different_clock():
 def test_a_replay_starts_where_the_real_run_did_and_crosses_the_http_side():
     """What a replay gives the simulator from the real run, because the simulator does not model
     it: each policy starts from the rates its real warm-up measured, and through the server each
-    request reaches the engine when the server submitted it and each token reaches its client the
-    real run's delay from engine to client later; TTFTs still count from the client's send."""
+    request reaches the engine when the real one did and its tokens reach its client as late as
+    the real first token did; TTFTs still count from the client's send."""
     flags = "--simulate --uncharged --preset cpu-smollm2 --seed 0 --read-rate 20 --burst 4"
     args = cli.parse_args(
         f"{flags} --prompt-len 64:8 --output-len 16:2 --policies tokenflow".split()
@@ -3723,6 +3723,8 @@ def test_a_replay_starts_where_the_real_run_did_and_crosses_the_http_side():
     ttft = [r.ttft for r in served.records]
     assert ttft[1] > 1.0 + 2.0 and all(t > 2.0 for t in ttft)  # plain: all under 1 s
     assert served.start == pytest.approx(plain.start)  # the clock as the plain replay's
+    # requests the server's loop added microseconds apart reach the simulated engine together
+    assert fidelity.drained_together([0.0, 1.0, 4e-4, 0.0]) == [4e-4, 1.0, 4e-4, 4e-4]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "tokenflow"])

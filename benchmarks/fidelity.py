@@ -8,6 +8,7 @@ row.
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ FIDELITY_METRICS = [
     ("preemptions", "preemptions"),
 ]
 REBUFFER_SLACK_S = 0.5  # rebuffer mean: within 15% or this many seconds (issue 40)
+DRAIN_S = 1e-3  # requests the server's loop adds this close together came in one drain
 
 
 def fidelity_table(real: list[Run], sim: list[Run]) -> str:
@@ -171,19 +173,31 @@ def replay_run(sim_args: argparse.Namespace, w: Workload, real: Run) -> Run:
 
 def served_replay(sim_args: argparse.Namespace, w: Workload, real: Run) -> Run:
     """A run through the server on the simulator, which models no HTTP: each request reaches the
-    engine when the real server submitted it (its way in, measured), and each token reaches its
-    client the real run's median delay from engine to client later (its way out)."""
-    ingress = real.ingress
-    submitted = dataclasses.replace(w, arrival=[a + d for a, d in zip(w.arrival, ingress)])
-    sim = replay_run(sim_args, submitted, real)
-    delivery = statistics.median(
-        r.token_times[0] - q.token_times[0] for r, q in zip(real.records, real.requests)
-    )
+    engine when it reached the real one (its way in and the server's loop, measured), and its
+    tokens reach its client as late as the real one's first token did (its way out). TTFTs count
+    from the client's send, as the real run's do."""
+    added = drained_together([a + d for a, d in zip(w.arrival, real.ingress)])
+    sim = replay_run(sim_args, dataclasses.replace(w, arrival=added), real)
+    way_in = [t - a for t, a in zip(added, w.arrival)]
+    way_out = [r.token_times[0] - q.token_times[0] for r, q in zip(real.records, real.requests)]
     records = [
-        RequestRecord(r.arrival - d, [t + delivery for t in r.token_times], r.rate)
-        for r, d in zip(sim.records, ingress)
+        RequestRecord(r.arrival - into, [t + out for t in r.token_times], r.rate)
+        for r, into, out in zip(sim.records, way_in, way_out)
     ]
-    return dataclasses.replace(sim, records=records, start=sim.start - ingress[0])
+    return dataclasses.replace(sim, records=records, start=sim.start - way_in[0])
+
+
+def drained_together(times: list[float]) -> list[float]:
+    """Each time moved to the last of those within DRAIN_S of one another: the server's loop adds
+    a drain of its inbox microseconds apart, all before the same step, and so must the replay."""
+    last = {}
+    end = later = math.inf
+    for t in sorted(times, reverse=True):
+        if later - t > DRAIN_S:
+            end = t
+        last[t] = end
+        later = t
+    return [last[t] for t in times]
 
 
 def fidelity(args: argparse.Namespace) -> None:

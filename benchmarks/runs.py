@@ -124,7 +124,7 @@ class Run:
     machine: dict = field(default_factory=dict)  # MachineWatch.report() of a real-engine run
     decisions: list = field(default_factory=list)  # --fidelity: every Decision of the run
     start_rates: StepRates | None = None  # what the warm-up left the policy (replays start there)
-    ingress: list = field(default_factory=list)  # --serve: s from each send to the server's submit
+    ingress: list = field(default_factory=list)  # --serve: s from each send to the engine's add
 
     @functools.cached_property
     def summary(self) -> dict:
@@ -171,6 +171,7 @@ def drive(engine, w: Workload, label: str) -> Run:
     virtual_clock = hasattr(engine.clock, "advance_to")
     follows = w.follows or [-1] * len(w)
     due = [(start + a, i) for i, (a, f) in enumerate(zip(w.arrival, follows)) if f < 0]
+    heapq.heapify(due)  # a replay's arrivals (the engine's, through a server) come in any order
     turns = {f: i for i, f in enumerate(follows) if f >= 0}  # previous turn -> next turn
     while due or engine.has_unfinished():
         while due and due[0][0] <= engine.clock():
@@ -386,16 +387,7 @@ def drive_served(llm: LLM, w: Workload, label: str) -> Run:
         return added[-1]
 
     llm.engine.add_request = logged_add_request
-    server = make_server(llm, port=0)
-    submitted = {}
-    submit = server.loop.submit
-
-    def logged_submit(request_ids, prompt_ids, *args):
-        submitted[tuple(prompt_ids)] = time.monotonic()
-        return submit(request_ids, prompt_ids, *args)
-
-    server.loop.submit = logged_submit
-    server.start()
+    server = make_server(llm, port=0).start()
     try:
         run = drive_http(server.url, w)
     finally:
@@ -406,8 +398,7 @@ def drive_served(llm: LLM, w: Workload, label: str) -> Run:
     # the engine's requests in the workload's order (told apart by their prompts)
     by_prompt = {tuple(r.prompt_token_ids): r for r in added}
     run.requests = [by_prompt[tuple(w.prompt_ids(i))] for i in range(len(w))]
-    sent = [r.arrival for r in run.records]
-    run.ingress = [submitted[tuple(w.prompt_ids(i))] - sent[i] for i in range(len(w))]
+    run.ingress = [r.arrival_time - sent.arrival for r, sent in zip(run.requests, run.records)]
     return run
 
 

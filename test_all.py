@@ -3714,9 +3714,13 @@ def test_a_replay_starts_where_the_real_run_did_and_crosses_the_http_side():
     assert plain.decisions[0].prefill_rate == 123.0
     assert plain.start_rates.prefill_rate != 123.0  # its own warm-up's, for a replay of this run
     assert max(r.ttft for r in plain.records) < 1.0
-    engine_side = [RequestRecord(0.0, [1.0, 1.1], 20.0) for _ in range(4)]
-    client_side = [RequestRecord(0.0, [3.0, 3.1], 20.0) for _ in range(4)]  # 2 s to the client
-    real = runs.Run("tokenflow", client_side, 0.0, requests=engine_side, ingress=[0, 1.0, 0, 0])
+    # the engine saw request 1 a second after its send; each first token reached its client 2 s late
+    engine_side = [
+        types.SimpleNamespace(arrival_time=reached, token_times=[1.0, 1.1])
+        for reached in (0.0, 1.0, 0.0, 0.0)
+    ]
+    client_side = [RequestRecord(0.0, [3.0, 3.1], 20.0) for _ in range(4)]
+    real = runs.Run("tokenflow", client_side, 0.0, requests=engine_side)
     real.start_rates = plain.start_rates
     served = fidelity.served_replay(args, w, real)
     assert all(r.arrival == pytest.approx(served.start) for r in served.records)  # the sends

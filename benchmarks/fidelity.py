@@ -161,7 +161,7 @@ def replay(
     sim = []
     for run in real:
         sim_args.policies = run.name
-        sim.append(served_replay(sim_args, w, run) if run.ingress else replay_run(sim_args, w, run))
+        sim.append(served_replay(sim_args, w, run) if args.serve else replay_run(sim_args, w, run))
         sim[-1].ttft_slo = ttft_slo(args)
     return sim
 
@@ -176,7 +176,8 @@ def served_replay(sim_args: argparse.Namespace, w: Workload, real: Run) -> Run:
     engine when it reached the real one (its way in and the server's loop, measured), and its
     tokens reach its client as late as the real one's first token did (its way out). TTFTs count
     from the client's send, as the real run's do."""
-    added = drained_together([a + d for a, d in zip(w.arrival, real.ingress)])
+    reached = [q.arrival_time - r.arrival for q, r in zip(real.requests, real.records)]
+    added = drained_together([a + d for a, d in zip(w.arrival, reached)])
     sim = replay_run(sim_args, dataclasses.replace(w, arrival=added), real)
     way_in = [t - a for t, a in zip(added, w.arrival)]
     way_out = [r.token_times[0] - q.token_times[0] for r, q in zip(real.records, real.requests)]

@@ -124,7 +124,6 @@ class Run:
     machine: dict = field(default_factory=dict)  # MachineWatch.report() of a real-engine run
     decisions: list = field(default_factory=list)  # --fidelity: every Decision of the run
     start_rates: StepRates | None = None  # what the warm-up left the policy (replays start there)
-    ingress: list = field(default_factory=list)  # --serve: s from each send to the engine's add
 
     @functools.cached_property
     def summary(self) -> dict:
@@ -398,7 +397,6 @@ def drive_served(llm: LLM, w: Workload, label: str) -> Run:
     # the engine's requests in the workload's order (told apart by their prompts)
     by_prompt = {tuple(r.prompt_token_ids): r for r in added}
     run.requests = [by_prompt[tuple(w.prompt_ids(i))] for i in range(len(w))]
-    run.ingress = [r.arrival_time - sent.arrival for r, sent in zip(run.requests, run.records)]
     return run
 
 

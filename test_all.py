@@ -2720,7 +2720,7 @@ def test_sigterm_drains_streams_and_exits_0(ckpt, to):
 from benchmarks.sim import SMOLLM2_135M, CostModel, build_engine
 from benchmarks.summary import effective_weights, qoe, summarize
 from nanoflow.metrics import RequestRecord, read_times, rebuffer_time
-from nanoflow.policies import TokenFlowConfig, peak_blocks
+from nanoflow.policies import TokenFlowConfig, Urgency, peak_blocks
 from nanoflow.request import Request, RequestStatus
 
 
@@ -6223,6 +6223,54 @@ def test_victims_are_the_least_urgent_first_and_only_as_many_as_needed_by_hand()
     policy.keep, policy.joining = set(), [newcomer]
     urgency = {r: policy.urgency(s, r, 0.0) for r in [*reqs, newcomer]}
     assert policy.preempt_largest_buffers(s, 0.0, urgency) == [reqs[1]]
+
+
+def rescue_scene(paused: bool):
+    """Toy preset, 24 blocks, 20 ms steps: three running readers of 7 blocks leave 3 free. One
+    (`ending`) has 4 s of buffer and 50 tokens (1 s) to go: it can wait a comeback (lead 3.244 s)
+    but not mu switches (4.988 s), and it would end within an interval; the other two have 0.5 s.
+    Waiting for 7 blocks: a reader paused earlier that runs dry in 0.5 s, or a newcomer."""
+    engine = sim_engine(toy_cost(num_kv_blocks=24), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    s.rates.prefill_rate = 100.0
+    s.rates.observe(0.02, 0, 1)
+    ending = running_request(engine, 100, 51)
+    first = running_request(engine, 100, 500)
+    if paused:
+        member = running_request(engine, 100, 500)
+        member.append(0, 0.0)
+        member.dry_at = 0.5
+        s.preempt(member)
+        s.swapper.complete_all()  # its blocks are back in the free pool
+    else:
+        params = SamplingParams(max_tokens=500, ignore_eos=True, read_rate=10.0)
+        member = engine.add_request([1] * 100, params)
+    second = running_request(engine, 100, 500)
+    for req, buffer in [(ending, 4.0), (first, 0.5), (second, 0.5)]:
+        req.append(0, 0.0)
+        req.dry_at = buffer
+    assert s.kv.num_free == 3 and not policy.preemptable(s, ending, 0.0)
+    return s, policy, member, ending
+
+
+@pytest.mark.parametrize("paused", [True, False])
+def test_a_paused_reader_about_to_run_dry_takes_the_place_of_one_that_can_wait_by_hand(paused):
+    """The rescue: for the paused reader, the reader that can wait a comeback leaves the device
+    although it would end within an interval (else the paused one stalls for sure); a newcomer
+    still waits for a reader that can wait mu switches."""
+    s, policy, member, ending = rescue_scene(paused)
+    policy.keep, policy.joining = {member}, [member]
+    urgency = {r: policy.urgency(s, r, 0.0) for r in [*s.running, member]}
+    assert urgency[member][0] == (Urgency.DRY_SOON if paused else Urgency.NEWCOMER)
+    expected = [ending] if paused else []
+    assert policy.preempt_largest_buffers(s, 0.0, urgency) == expected
+
+
+def test_out_of_memory_a_reader_that_can_wait_a_comeback_leaves_first_by_hand():
+    """Memory runs out mid-step and no reader can wait mu switches: the victim is the one that can
+    wait a comeback, not the most buffered of those that last (0.5 s: it would stall)."""
+    s, policy, _, ending = rescue_scene(paused=True)
+    assert policy.victim(s, 0.0) is ending
 
 
 def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():

@@ -207,11 +207,10 @@ class Engine:
             self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def stats(self, buffer_signal: bool = False) -> dict[str, int]:
-        """Counters since start and the state of the queues and pools now (and the buffer
-        signal, for a router: computed only when asked)."""
+        """Counters since start, the queues and pools now, and (if asked) the buffer signal."""
         s = self.scheduler
         swapper = s.swapper
         host = swapper.host if swapper else None

@@ -28,7 +28,6 @@ class FCFSConfig:
     min_new_token_ratio: float = 0.1  # ...and its floor (SGLang: 0.14 of the start)
     decay_steps: int = 600  # steps to decay from start to floor (SGLang's default)
     retract_decode_steps: int = 20  # a retraction keeps room for this many more tokens of each
-    clip_max_new_tokens: int = ESTIMATE_CLIP_TOKENS
 
 
 class FCFS:
@@ -74,7 +73,7 @@ class FCFS:
 
     def future_tokens(self, s: Scheduler, req: Request) -> int:
         """KV tokens kept free for req: its known tokens, a share of the output it may add."""
-        left = min(req.num_tokens_left, self.fcfs.clip_max_new_tokens)
+        left = min(req.num_tokens_left, ESTIMATE_CLIP_TOKENS)
         return s.blocks_to_decode(req) * s.kv.block_size + int(left * self.new_token_ratio)
 
     def victim(self, s: Scheduler, now: float) -> Request:
@@ -183,6 +182,7 @@ class TokenFlow(FCFS):
         joining = [r for r in self.joining if urgency[r][0] != Urgency.BUFFERED]
         blocks = sum(s.blocks_to_decode(r) for r in joining) - s.kv.num_free
         blocks += self.growth_blocks(s, itertools.chain(s.running, joining))
+        rescue = sum(s.blocks_to_decode(r) for r in joining if r.started) - s.kv.num_free
         seats = len(joining) - (s.max_num_seqs - len(s.running))
         link = self.config.interval - (s.swapper.backlog() if s.swapper else 0.0)
         out = []
@@ -190,9 +190,10 @@ class TokenFlow(FCFS):
         for r in sorted(others, key=urgency.get, reverse=True):
             if (blocks <= 0 and seats <= 0) or link <= 0:
                 break
-            if self.preemptable(s, r, now):
+            if self.preemptable(s, r, now, rescue=rescue > 0):
                 out.append(r)
                 blocks -= s.kv.num_own(r.block_table)
+                rescue -= s.kv.num_own(r.block_table)
                 seats -= 1
                 link -= s.swapper.transfer_time(2 * len(r.block_table)) if s.swapper else 0.0
         return out
@@ -263,13 +264,16 @@ class TokenFlow(FCFS):
         """Tokens a running request adds before the next rebalance."""
         return self.config.interval / s.step_time()
 
-    def preemptable(self, s: Scheduler, req: Request, now: float) -> bool:
-        """May req leave the device now (step 4)? Its reader must read through mu switches."""
+    def preemptable(self, s: Scheduler, req: Request, now: float, rescue: bool = False) -> bool:
+        """May req leave now (step 4)? Its reader must read through mu switches and it must not end
+        within an interval (Extension, the rescue: a comeback will do for a paused reader)."""
         settled = req.started and now - req.last_moved >= self.config.interval
-        if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:
+        ends_soon = req.num_tokens_left * s.step_time() <= self.config.interval
+        if not settled or (ends_soon and not rescue):
             return False
         switch = self.switch_time(s, req)
-        return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch
+        spare = 0.0 if rescue else (self.config.mu - 1) * switch
+        return req.dry_at - now >= self.lead(switch) + spare
 
     def switch_time(self, s: Scheduler, req: Request, step: float | None = None) -> float:
         """Seconds to take req off the device (if on it) and back, plus an interval and a step."""
@@ -283,9 +287,10 @@ class TokenFlow(FCFS):
         return switch + self.config.interval + (s.step_time() if step is None else step)
 
     def victim(self, s: Scheduler, now: float) -> Request:
-        """A reader that can wait a switch, else the newest newcomer, else the most buffered of
-        those that outlast an interval (one that ends sooner gives its blocks back by itself)."""
+        """A reader that can wait mu switches, else one that can wait a comeback (the rescue), else
+        the newest newcomer, else the most buffered of those that outlast an interval."""
         can_wait = [r for r in s.running if self.preemptable(s, r, now)]
+        can_wait = can_wait or [r for r in s.running if self.preemptable(s, r, now, rescue=True)]
         fresh = [r for r in s.running if not r.started]
         if fresh and not can_wait:
             return fresh[-1]

@@ -115,9 +115,6 @@ class Scheduler:
         self.waiting.append(req)
         self.last_arrival = self.clock()
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def wait_to_admit(
         self, queued: int, max_waiting: int, prompt_tokens: int, max_tokens: int, bound_s: float
     ) -> float | None:
@@ -331,6 +328,3 @@ class Scheduler:
                 if req.num_computed_tokens // bs > req.num_cached_blocks and loaded(req):
                     self._cache_full_blocks(req)  # a block filled: ~1 step in block_size
         self.policy.after_step(self)
-
-
-# ------------------------------------------------------------------------ the policies

@@ -47,8 +47,8 @@ MUTANTS = [
     M(
         "tokenflow-preempt-without-mu",
         "nanoflow/policies.py",
-        "return req.dry_at - now >= self.lead(switch) + (self.config.mu - 1) * switch",
-        "return req.dry_at - now >= self.lead(switch)",
+        "spare = 0.0 if rescue else (self.config.mu - 1) * switch",
+        "spare = 0.0",
         "preemptable_needs",
     ),
     M(
@@ -89,6 +89,13 @@ MUTANTS = [
         TOKENFLOW_SUBSET,
     ),
     M(
+        "tokenflow-no-rescue",
+        "nanoflow/policies.py",
+        "if self.preemptable(s, r, now, rescue=rescue > 0):",
+        "if self.preemptable(s, r, now):",
+        "paused_reader_about_to_run_dry",
+    ),
+    M(
         "tokenflow-preempt-just-moved",
         "nanoflow/policies.py",
         "settled = req.started and now - req.last_moved >= self.config.interval",
@@ -98,7 +105,7 @@ MUTANTS = [
     M(
         "tokenflow-preempt-nearly-done",
         "nanoflow/policies.py",
-        "if not settled or req.num_tokens_left * s.step_time() <= self.config.interval:",
+        "if not settled or (ends_soon and not rescue):",
         "if not settled:",
         TOKENFLOW_SUBSET,
     ),
@@ -1024,7 +1031,7 @@ MUTANTS += [
     M(
         "fcfs-estimate-unclipped",
         "nanoflow/policies.py",
-        "left = min(req.num_tokens_left, self.fcfs.clip_max_new_tokens)",
+        "left = min(req.num_tokens_left, ESTIMATE_CLIP_TOKENS)",
         "left = req.num_tokens_left",
         "clips_max_tokens_at_4096",
     ),

@@ -6296,11 +6296,18 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
 
 
 @pytest.mark.parametrize(
-    "rate, max_tokens, budget",
-    [(2.0, 30, 38), (3.0, 10, 10**4), (3.0, 6, 38), (3.8, 1, 10**4)],
+    "rate, max_tokens, waited, budget",
+    [
+        (2.0, 30, 0.0, 38),
+        (3.0, 10, 0.0, 10**4),
+        (3.0, 10, 5.0, 38),
+        (3.0, 6, 0.0, 38),
+        (3.8, 1, 0.0, 10**4),
+        (3.8, 1, 30.0, 10**4),
+    ],
 )
 def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
-    rate, max_tokens, budget
+    rate, max_tokens, waited, budget
 ):
     """One reader (20 tokens left) has 0.625 s of slack; steps take 0.25 s; a
     newcomer's 50 prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the
@@ -6313,7 +6320,9 @@ def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
     10 x 0.375 = 3.75 > 2.5, the whole budget; 6 x 0.375 = 2.25 < 2.5, held. At 3.8
     tok/s the chunk would be free after 9.5 steps, 2.375 s, past the next rebalance (an
     interval, 1.5 s): prompts are not held that long, although 1 token x 2.375 < 2.5:
-    the whole budget."""
+    the whole budget. A newcomer that has waited 5 s already is held 0.375 s whatever
+    the trade says (within hold_share, a tenth, of its wait); past an interval never,
+    however long it has waited (30 s)."""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     reader = running_request(engine, 16, 21, rate=rate)
@@ -6322,6 +6331,7 @@ def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
     s.rates.prefill_rate = 100.0
     s.rates.observe(0.25, 0, 1)
     newcomer = engine.add_request([1] * 50, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    newcomer.arrival_time = -waited
     assert policy.preemptions(s, 0.0) == [] and policy.joining == [newcomer]  # the rebalance
     assert policy.token_budget(s, 0.0) == budget
 

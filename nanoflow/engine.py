@@ -79,7 +79,6 @@ class EngineConfig:
         "model's context, at most what the KV pool holds)",
         type=int,
     )
-    # vLLM's default; the rest of the device is for activations
     gpu_memory_utilization: float = knob(0.9, "GPU share for weights + KV cache", type=float)
     enforce_eager: bool = knob(False, "no CUDA graphs (a CPU never has them)", action="store_true")
     tensor_parallel_size: int = knob(1, "GPUs (one process each) that split every layer", type=int)

@@ -108,6 +108,7 @@ class TokenFlowConfig:
     write_through_below: float = 0.2  # share of free device KV under which to write through
     stall_weight: float = 1.0  # a reader's second of stall against a newcomer's second of wait
     short_hold: float = 0.3  # s: prompts held back this long for readers, whatever they weigh
+    hold_share: float = 0.1  # or as long as this share of the newcomers' wait so far
 
     @classmethod
     def parse(cls, text: str) -> "TokenFlowConfig":
@@ -323,7 +324,7 @@ class TokenFlow(FCFS):
         costs the readers? A second's wait makes each token still to stream a second late
         (Andes' QoE); a stall counts stall_weight times. Held back, the chunk goes in once
         each reader it stalls has read ahead as much (1/read_rate - step s a step) or has
-        finished. Holds up to short_hold are always taken, holds past an interval never."""
+        finished. Holds up to short_hold or hold_share of the wait so far are always taken."""
         joining = [r for r in self.joining if r.status in WAITING_STATES]
         newcomers = [r for r in itertools.chain(s.running, joining) if not r.started]
         if not newcomers:
@@ -341,7 +342,8 @@ class TokenFlow(FCFS):
                 return True  # no holding prompts back beyond the next rebalance
             stall += min(chunk, late) * r.num_tokens_left
             wait = max(wait, ahead)
-        if wait <= self.config.short_hold:
+        waited = min(now - r.arrival_time for r in served)
+        if wait <= max(self.config.short_hold, self.config.hold_share * waited):
             return False  # readers first: no stall that fcfs would not cause
         return wait * sum(r.num_tokens_left for r in served) > self.config.stall_weight * stall
 
@@ -409,7 +411,6 @@ class TokenFlow(FCFS):
         """Copy freshly filled blocks to host, largest buffers first (the first to be preempted),
         as many as the link copies in a step: a preemption then copies only the tail."""
         bs = s.kv.block_size
-        # only those that filled a block since their last copy have something to write
         filled = [r for r in s.running if r.num_computed_tokens // bs > r.num_host_tokens // bs]
         by_buffer = sorted(filled, key=lambda r: -r.dry_at)
         s.swapper.write_through(by_buffer, s.swapper.blocks_in(s.step_time()))

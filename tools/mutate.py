@@ -147,8 +147,15 @@ MUTANTS = [
     M(
         "tokenflow-no-short-hold",
         "nanoflow/policies.py",
-        "if wait <= self.config.short_hold:",
+        "if wait <= max(self.config.short_hold, self.config.hold_share * waited):",
         "if wait < 0:",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-no-hold-share",
+        "nanoflow/policies.py",
+        "if wait <= max(self.config.short_hold, self.config.hold_share * waited):",
+        "if wait <= self.config.short_hold:",
         TOKENFLOW_SUBSET,
     ),
     M(

@@ -492,6 +492,7 @@ def run_policies(
 
 def free_device_memory() -> None:
     """Free the last engine before the next sizes its pool (torch's cache counts as used memory)."""
+    gc.unfreeze()  # LLM() froze it
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

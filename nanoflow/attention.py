@@ -548,11 +548,10 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # one past this block's last query
-    end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    past_last_query = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
+    for n0 in range(0, past_last_query, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        in_range = pos < end
+        in_range = pos < past_last_query
         k, v = _load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,

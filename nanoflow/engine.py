@@ -6,6 +6,8 @@ drive it. It may import any module but the server's and the bench's.
 """
 
 import argparse
+import atexit
+import gc
 import logging
 import os
 import time
@@ -32,8 +34,7 @@ CPU_KV_FRACTION = 0.25  # of available RAM for the KV pool on CPU: the OS and we
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
 IDLE_WAIT_S = 0.001  # a step with nothing to run sleeps this long before the next try
 THREADS_CHECK_S = 1.0  # how often a CPU engine looks at what the rest of the machine computes
-# cores' worth of CPU that other processes use: above BUSY the engine leaves them a core, below
-# IDLE it takes it back (apart, so that a neighbour near one line does not flip it every check)
+# others' CPU use in cores: above BUSY the engine leaves them a core, below IDLE takes it back
 OTHERS_BUSY, OTHERS_IDLE = 0.5, 0.2
 DEFAULT_READ_RATE = 8.0  # tokens/s: a fast silent reader (~360 words/min)
 READ_RATE_MIN, READ_RATE_MAX = 1.0, 100.0  # clamped: nobody buys priority with a huge rate
@@ -389,6 +390,10 @@ class LLM:
         )
         if threads:
             log.info("compute: %s", threads.describe())
+        gc.unfreeze()  # what an earlier LLM left in cycles may go now
+        gc.collect()
+        gc.freeze()  # what lives on (weights, tokenizer) leaves full collections: ~150-ms pauses
+        atexit.register(gc.unfreeze)  # exit's last collection frees it all (bindings count leaks)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

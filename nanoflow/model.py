@@ -473,9 +473,7 @@ def read_gguf(path: Path, shard: Shard) -> tuple[ModelConfig, dict[str, Tensor],
     return cfg, state, tok
 
 
-# --dtype auto on CPU. Measured on a 2-core Xeon with AMX, demo model, 128-token prompts, 32 new
-# tokens, one thread, best of 3: bf16 decodes 1 prompt at 17.6 tok/s (fp32: 15.8) and 16 prompts
-# at 140 (fp32: 65). Without native bf16 units (AMX or AVX512-BF16) bf16 matmuls are emulated.
+# --dtype auto on CPU: bf16 where it has bf16 units, 2x fp32 at 16 prompts (docs/results.md)
 NATIVE_BF16 = ("amx_bf16", "avx512_bf16")
 NATIVE_BF16_CPU = any(torch.cpu.get_capabilities().get(f) for f in NATIVE_BF16)
 CPU_DTYPE = torch.bfloat16 if NATIVE_BF16_CPU else torch.float32

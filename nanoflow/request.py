@@ -157,8 +157,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # when each output token was generated
     logprobs: list = field(default_factory=list)  # per output token: Engine._record_logprobs
     matcher: object = None  # its grammar's state, advanced by each output token (grammar.py)
-    # when its reader runs out of tokens (docs/scheduling.md); earlier than now if it stalls already
-    dry_at: float = field(init=False)
+    dry_at: float = field(init=False)  # when its reader runs dry; in the past: it stalls now
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -104,8 +104,7 @@ class Tokenizer:
         eos += [tk.token_to_id(t) for t in END_OF_TURN if t in control]
         bos_id = field("tokenizer.ggml.bos_token_id")
         bos = None if bos_id is None else tokens[bos_id]
-        # Byte-level BPE models of this family (SmolLM2, Qwen2) are trained without BOS, whatever
-        # tokenizer.ggml.add_bos_token says; HuggingFace's own tokenizers add none either.
+        # this family's byte-level BPE (SmolLM2, Qwen2) has no BOS, whatever the GGUF says (as HF)
         add_bos = pre == "llama-bpe" and bos is not None
         eos_ids = sorted(set(eos) - {None})
         return cls(tk, field("tokenizer.chat_template"), bos, eos_ids, add_bos)

@@ -6307,8 +6307,7 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     step; but a reader that reads more than a token per step (10 tok/s against 0.25 s steps) runs
     dry whatever the budget, and must not hold newcomers back (multi-turn chat on the CPU: a turn's
     prompt waited 1.4-2 s behind readers at 20 tok/s). The other reader (2 tok/s) has 0.75 s of
-    slack, 0.625 s counting on a step 1.2x its estimate (STEP_OVERRUN): less a 0.25 s step, at 100
-    prompt tokens/s, 37.5 prompt tokens, plus the two decodes: 39.
+    slack: less a 0.25 s step, at 100 prompt tokens/s, 50 prompt tokens, plus the two decodes: 52.
     (Holding the rest back is short: see the next test.)"""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
@@ -6322,16 +6321,16 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     s.rates.prefill_rate = 100.0
     s.rates.observe(0.25, 0, 2)
     engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))  # a newcomer waits
-    assert policy.token_budget(s, 0.0) == 39
+    assert policy.token_budget(s, 0.0) == 52
 
 
 @pytest.mark.parametrize(
     "rate, max_tokens, waited, budget",
     [
-        (2.0, 30, 0.0, 28),
+        (2.0, 30, 0.0, 38),
         (3.0, 10, 0.0, 10**4),
-        (3.0, 10, 5.0, 28),
-        (3.0, 6, 0.0, 28),
+        (3.0, 10, 5.0, 38),
+        (3.0, 6, 0.0, 38),
         (3.8, 1, 0.0, 10**4),
         (3.8, 1, 30.0, 10**4),
     ],
@@ -6339,19 +6338,20 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
 def test_prompts_go_in_when_the_wait_they_save_outweighs_the_stall_by_hand(
     rate, max_tokens, waited, budget
 ):
-    """One reader (20 tokens left) has 0.625 s of slack; steps take 0.25 s; a newcomer's 50
-    prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the reader 0.5 + 0.25 -
-    0.625 = 0.125 s: 0.125 x 20 tokens late = 2.5 (stall_weight 1). Held back, only what the
-    slack leaves goes in, counting on a step 1.2x its estimate (STEP_OVERRUN): (0.625 / 1.2 -
-    0.25) x 100 = 27.1 prompt tokens, and the decode: 28. At 2 tok/s the reader gains 0.5 - 0.25
-    s a step: the chunk is free after 0.125 s, a short hold (at most short_hold, 0.3 s), taken
-    although 30 tokens x 0.125 = 3.75 > 2.5. At 3 tok/s it gains 0.083 s a step: free after 1.5
-    steps, 0.375 s, and the newcomer's tokens would each be that much later: 10 x 0.375 = 3.75 >
-    2.5, the whole budget; 6 x 0.375 = 2.25 < 2.5, held. At 3.8 tok/s the chunk would be free
-    after 9.5 steps, 2.375 s, past the next rebalance (an interval, 1.5 s): prompts are not held
-    that long, although 1 token x 2.375 < 2.5: the whole budget. A newcomer that has waited 5 s
-    already is held 0.375 s whatever the trade says (within hold_share, a tenth, of its wait);
-    past an interval never, however long it has waited (30 s)."""
+    """One reader (20 tokens left) has 0.625 s of slack; steps take 0.25 s; a
+    newcomer's 50 prompt tokens take 0.5 s at 100 tokens/s. Now, the chunk stalls the
+    reader 0.5 + 0.25 - 0.625 = 0.125 s: 0.125 x 20 tokens late = 2.5 (stall_weight 1).
+    Held back, only what the slack leaves goes in, (0.625 - 0.25) x 100 = 37.5 prompt
+    tokens, and the decode: 38. At 2 tok/s the reader gains 0.5 - 0.25 s a step: the
+    chunk is free after 0.125 s, a short hold (at most short_hold, 0.3 s), taken
+    although 30 tokens x 0.125 = 3.75 > 2.5. At 3 tok/s it gains 0.083 s a step: free
+    after 1.5 steps, 0.375 s, and the newcomer's tokens would each be that much later:
+    10 x 0.375 = 3.75 > 2.5, the whole budget; 6 x 0.375 = 2.25 < 2.5, held. At 3.8
+    tok/s the chunk would be free after 9.5 steps, 2.375 s, past the next rebalance (an
+    interval, 1.5 s): prompts are not held that long, although 1 token x 2.375 < 2.5:
+    the whole budget. A newcomer that has waited 5 s already is held 0.375 s whatever
+    the trade says (within hold_share, a tenth, of its wait); past an interval never,
+    however long it has waited (30 s)."""
     engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
     s, policy = engine.scheduler, engine.scheduler.policy
     reader = running_request(engine, 16, 21, rate=rate)

@@ -140,15 +140,8 @@ MUTANTS = [
     M(
         "tokenflow-budget-ignores-step",
         "nanoflow/policies.py",
-        "prompt_tokens = max(0.0, slack / STEP_OVERRUN - step) * s.rates.prefill_rate",
-        "prompt_tokens = max(0.0, slack / STEP_OVERRUN) * s.rates.prefill_rate",
-        TOKENFLOW_SUBSET,
-    ),
-    M(
-        "tokenflow-budget-no-overrun-margin",
-        "nanoflow/policies.py",
-        "STEP_OVERRUN = 1.2",
-        "STEP_OVERRUN = 1.0",
+        "prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate",
+        "prompt_tokens = max(0.0, slack) * s.rates.prefill_rate",
         TOKENFLOW_SUBSET,
     ),
     M(

@@ -29,6 +29,7 @@ from .swap import Swapper
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("nanoflow")
+atexit.register(gc.unfreeze)  # LLM() freezes its heap: exit's last collection frees it all
 
 CPU_KV_FRACTION = 0.25  # of available RAM for the KV pool on CPU: the OS and weights need the rest
 CPU_KV_MAX_BYTES = 2 << 30  # ...but no more: a CPU serves a handful of requests at a time
@@ -393,7 +394,6 @@ class LLM:
         gc.unfreeze()  # what an earlier LLM left in cycles may go now
         gc.collect()
         gc.freeze()  # what lives on (weights, tokenizer) leaves full collections: ~150-ms pauses
-        atexit.register(gc.unfreeze)  # exit's last collection frees it all (bindings count leaks)
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

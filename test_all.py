@@ -6500,6 +6500,39 @@ def test_tiny_prompt_chunks_do_not_drag_the_prefill_rate_down_by_hand():
     assert rates.prefill_rate == pytest.approx(1250 + 0.2 * (500 / 0.44 - 1250))
 
 
+def test_the_cut_leaves_room_for_how_far_mixed_steps_ran_past_their_estimate_by_hand():
+    """Issue 40's burst on the CPU: steps of ~50 prompt tokens beside 10-15 decodes, each cut to a
+    fresh reader's 0.124 s of slack, took up to 40 ms more than decode_time + prompt/prefill_rate
+    (pure decode steps: within a few ms), and the readers stalled, step after step: the steps of
+    such a chain run alike. The cut now keeps back how far the last such step (decodes dominate,
+    beside a chunk) ran past its estimate, once a prefill rate is measured: below, the 0.75 s
+    reader's slack less a 0.25 s step less 0.05 s, at 100 prompt tokens/s, 45 prompt tokens, plus
+    two decodes. A pure decode step leaves the margin as it is, a step within its estimate clears
+    it (the simulated H200's mixed steps never ran past: its decisions are unchanged)."""
+    rates = StepRates()
+    rates.observe(0.25, 0, 2)  # decode_time(2) = 0.25 s
+    rates.observe(0.30, 10, 2)  # past 0.25 + 10 / 2000 s, but that rate is a guess: not counted
+    rates.observe(10.0, 1000, 0)  # prompts: 100 tokens/s
+    rates.observe(0.30, 10, 2)  # within its estimate, 0.25 + 10 / 100 s
+    rates.observe(0.35, 0, 2)  # a decode step past 0.25 s: the line learns it (0.27 s), not the cut
+    assert rates.mixed_overrun == 0.0
+    rates.observe(0.42, 10, 2)  # past 0.27 + 0.1 s by 0.05 s
+    assert rates.mixed_overrun == pytest.approx(0.05)
+    rates.observe(2.0, 100, 2)  # prompts dominate: it teaches the prefill rate (90 tokens/s)
+    assert rates.mixed_overrun == pytest.approx(0.05)
+    rates.observe(0.30, 10, 2)  # within 0.27 + 10 / 90 s: the next cut keeps nothing back
+    assert rates.mixed_overrun == 0.0
+    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
+    s, policy = engine.scheduler, engine.scheduler.policy
+    for req in (running_request(engine, 16, 100, rate=2.0), running_request(engine, 16, 100, 2.0)):
+        req.append(0, 0.0)
+        req.dry_at = 0.75
+    s.rates = StepRates(prefill_rate=100.0, mixed_overrun=0.05)
+    s.rates.observe(0.25, 0, 2)
+    engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))  # a newcomer waits
+    assert policy.token_budget(s, 0.0) == 47
+
+
 def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
     """Steps of 90-110 requests fit a steep line: 10 ms at 100 requests, +0.4 ms a request (moments
     b = 100, t = 0.01, E[b^2] = 10,100, E[b x t] = 1.04: slope (1.04 - 1.0) / 100). Extrapolated

@@ -30,9 +30,8 @@ except ImportError:
 
 # kernels use exp2: exp(x) = exp2(x * LOG2E), folded into the softmax scale
 LOG2E = math.log2(math.e)
-# Extend tiles (query tokens per program, keys per step, warps), compiled for sm_80..sm_90
-# (test_all.py): shared memory within the 99 KiB an RTX 4090 gives a block, no register spills.
-# fp32 dots run on FMA units with tiles in registers: 32 x 32 in 8 warps still spills on sm_90.
+# Extend tiles (queries per program, keys per step, warps) for sm_80..sm_90 (test_all.py): shared
+# memory within an RTX 4090's 99 KiB, no spills (fp32 tiles sit in registers: 32 x 32 spills).
 EXTEND_TILES_FP32 = (32, 16, 4)
 EXTEND_TILES_16BIT = (64, 64, 4)
 EXTEND_TILES_16BIT_WIDE = (64, 32, 4)  # head_dim > 64: half the keys, or sm_80/86 spill

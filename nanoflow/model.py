@@ -36,8 +36,7 @@ class Family:
     qk_norm: bool = False  # a per-head RMSNorm of q and of k before RoPE
 
 
-# Every family may also set rope_scaling (Llama 3's "llama3"), tie its embeddings, and name a
-# sliding_window, which nanoflow serves only when the whole context fits inside it.
+# A family may also set rope_scaling, tie embeddings, name a sliding_window (served if all fits)
 ARCHITECTURES = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(),  # Llama's tensors; only the window is new

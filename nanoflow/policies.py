@@ -311,7 +311,7 @@ class TokenFlow(FCFS):
         paused = (r for r in self.joining if r.status == RequestStatus.PREEMPTED)
         readers = [r for r in (*s.running, *paused) if r.started and r.read_rate * step < 1]
         slack = min((r.dry_at for r in readers if r.dry_at > now), default=float("inf")) - now
-        prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate
+        prompt_tokens = max(0.0, slack - step - s.rates.mixed_overrun) * s.rates.prefill_rate
         cut = int(min(whole_budget, len(s.running) + prompt_tokens))
         if cut < whole_budget and self.prompts_outweigh_stalls(s, readers, now, step):
             return whole_budget

@@ -28,12 +28,16 @@ class StepRates:
     prefill_rate: float = 2000.0  # prompt tokens/s on mostly-prefill steps (a guess until measured)
     # EMAs of (batch, seconds, batch^2, batch x seconds) of decode steps (docs/scheduling.md)
     decode_moments: tuple[float, float, float, float] = (1.0, 0.05, 1.0, 0.05)
+    mixed_overrun: float = 0.0  # how far the last step of decodes and a chunk ran past its estimate
     ema: float = 0.2
     seen: Counter = field(default_factory=Counter)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         if prefill_tokens / self.prefill_rate > self.decode_time(decode_tokens):  # prompts dominate
             self.prefill_rate = self._ema("prefill", self.prefill_rate, prefill_tokens / seconds)
+        elif prefill_tokens and decode_tokens and self.seen["prefill"]:  # a chunk beside decodes
+            overrun = seconds - self.decode_time(decode_tokens) - prefill_tokens / self.prefill_rate
+            self.mixed_overrun = max(0.0, overrun)  # the next such step runs alike (a chain)
         if decode_tokens and (not prefill_tokens or not self.seen["decode"]):
             moments = (decode_tokens, seconds, decode_tokens**2, decode_tokens * seconds)
             self.decode_moments = self._ema("decode", self.decode_moments, moments)
@@ -166,8 +170,7 @@ class Scheduler:
         for req in self.policy.preemptions(self, now):
             self.preempt(req)
         scheduled, budget, short = self._schedule_running(now)
-        # a pool too short for the running requests has no room for anyone new
-        if self.waiting and not short:
+        if self.waiting and not short:  # memory short for the running: no room for newcomers
             self.policy.admit(self, scheduled, budget, now)
         if self.swapper:
             self.swapper.demote()  # the cached blocks taken this step keep their KV on host
@@ -192,8 +195,7 @@ class Scheduler:
                 budget -= n
                 continue
             while not self.kv.grow(req.block_table, req.num_computed_tokens + n):
-                if self.kv.pending_free:
-                    # evicted blocks come back once their copies are done: wait, don't evict more
+                if self.kv.pending_free:  # evicted blocks return once copied: wait, evict no more
                     self.swapper.complete_all()
                     continue
                 victim = self.policy.victim(self, now)

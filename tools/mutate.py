@@ -140,8 +140,15 @@ MUTANTS = [
     M(
         "tokenflow-budget-ignores-step",
         "nanoflow/policies.py",
-        "prompt_tokens = max(0.0, slack - step) * s.rates.prefill_rate",
-        "prompt_tokens = max(0.0, slack) * s.rates.prefill_rate",
+        "max(0.0, slack - step - s.rates.mixed_overrun)",
+        "max(0.0, slack - s.rates.mixed_overrun)",
+        TOKENFLOW_SUBSET,
+    ),
+    M(
+        "tokenflow-cut-ignores-overruns",
+        "nanoflow/policies.py",
+        "max(0.0, slack - step - s.rates.mixed_overrun)",
+        "max(0.0, slack - step)",
         TOKENFLOW_SUBSET,
     ),
     M(

@@ -6302,6 +6302,21 @@ def test_out_of_memory_a_reader_that_can_wait_a_comeback_leaves_first_by_hand():
     assert policy.victim(s, 0.0) is ending
 
 
+def cut_beside_readers(readers: list[tuple[float, float]], mixed_overrun: float = 0.0) -> int:
+    """TokenFlow's token budget at t=0 beside running readers of (read rate, seconds of slack),
+    with decode steps of 0.25 s, 100 prompt tokens/s, and a newcomer of 64 prompt tokens waiting."""
+    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
+    s = engine.scheduler
+    for rate, slack in readers:
+        req = running_request(engine, 16, 100, rate=rate)
+        req.append(0, 0.0)
+        req.dry_at = slack
+    s.rates = StepRates(prefill_rate=100.0, mixed_overrun=mixed_overrun)
+    s.rates.observe(0.25, 0, 2)
+    engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))
+    return s.policy.token_budget(s, 0.0)
+
+
 def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     """Prompt tokens are cut so that the least-buffered running reader does not run dry during the
     step; but a reader that reads more than a token per step (10 tok/s against 0.25 s steps) runs
@@ -6309,19 +6324,7 @@ def test_a_reader_faster_than_a_step_does_not_hold_prompts_back_by_hand():
     prompt waited 1.4-2 s behind readers at 20 tok/s). The other reader (2 tok/s) has 0.75 s of
     slack: less a 0.25 s step, at 100 prompt tokens/s, 50 prompt tokens, plus the two decodes: 52.
     (Holding the rest back is short: see the next test.)"""
-    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
-    s, policy = engine.scheduler, engine.scheduler.policy
-    fast, slow = (
-        running_request(engine, 16, 100, rate=10.0),
-        running_request(engine, 16, 100, rate=2.0),
-    )
-    for req, slack in ((fast, 0.05), (slow, 0.75)):
-        req.append(0, 0.0)
-        req.dry_at = slack
-    s.rates.prefill_rate = 100.0
-    s.rates.observe(0.25, 0, 2)
-    engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))  # a newcomer waits
-    assert policy.token_budget(s, 0.0) == 52
+    assert cut_beside_readers([(10.0, 0.05), (2.0, 0.75)]) == 52
 
 
 @pytest.mark.parametrize(
@@ -6522,15 +6525,7 @@ def test_the_cut_leaves_room_for_how_far_mixed_steps_ran_past_their_estimate_by_
     assert rates.mixed_overrun == pytest.approx(0.05)
     rates.observe(0.30, 10, 2)  # within 0.27 + 10 / 90 s: the next cut keeps nothing back
     assert rates.mixed_overrun == 0.0
-    engine = sim_engine(toy_cost(max_num_batched_tokens=10**4), "tokenflow")
-    s, policy = engine.scheduler, engine.scheduler.policy
-    for req in (running_request(engine, 16, 100, rate=2.0), running_request(engine, 16, 100, 2.0)):
-        req.append(0, 0.0)
-        req.dry_at = 0.75
-    s.rates = StepRates(prefill_rate=100.0, mixed_overrun=0.05)
-    s.rates.observe(0.25, 0, 2)
-    engine.add_request([1] * 64, SamplingParams(max_tokens=10, ignore_eos=True))  # a newcomer waits
-    assert policy.token_budget(s, 0.0) == 47
+    assert cut_beside_readers([(2.0, 0.75), (2.0, 0.75)], mixed_overrun=0.05) == 47
 
 
 def test_a_smaller_batch_is_never_estimated_faster_than_measured_by_hand():
